@@ -1,0 +1,48 @@
+"""Start an embedded local Ray, or join a running cluster, and size the worker actors."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+
+from embedpipe.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    workers: int
+    cpus_per_worker: int
+    gpus_per_worker: int  # 1 on GPU nodes, else 0
+
+
+def connect(cfg: ClusterConfig) -> bool:
+    """Make sure Ray is up; returns True when this call started it (so the caller shuts it down)."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if cfg.address:
+        ray.init(address=cfg.address, logging_level=logging.WARNING, log_to_driver=True)
+    else:
+        cpus = os.cpu_count() or 1
+        wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
+        ray.init(num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def plan_workers(cfg: ClusterConfig) -> WorkerPlan:
+    """One worker per GPU (else one), each with its share of CPUs; fails early if the cluster is too small."""
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 1))
+    workers = cfg.workers or max(gpus, 1)
+    per_gpu = 1 if gpus else 0
+    cpus_per_worker = cfg.cpus_per_worker or (2 if gpus else max(1, cpus // workers))
+    if workers * cpus_per_worker > cpus or workers * per_gpu > gpus:
+        raise RuntimeError(
+            f"the Ray cluster has {cpus} CPUs and {gpus} GPUs, too few for cluster.workers={workers} "
+            f"with cluster.cpus_per_worker={cpus_per_worker}: lower cluster.workers or cluster.cpus_per_worker")
+    return WorkerPlan(workers=workers, cpus_per_worker=cpus_per_worker, gpus_per_worker=per_gpu)

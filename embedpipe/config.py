@@ -1,0 +1,363 @@
+"""The job schema: one typed section per component, validated once at load.
+
+A job file is YAML with one mapping per section (``input``, ``model``, ``batching``,
+``output``, ``cluster``, ``runtime``). Every option and its default lives here, and
+``docs/job-reference.md`` is generated from these dataclasses (``python -m embedpipe.config``),
+so the docs cannot drift from the code.
+
+Errors name the field, the bad value and the fix:
+``job.yaml: model.dtype: 'fp32' is not one of float32, bfloat16, float16 (fix: set model.dtype to one of them)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+REQUIRED: Any = object()  # sentinel default: the field must be set in the job file
+
+
+class JobError(ValueError):
+    """A job file problem: names the field, the bad value and the fix."""
+
+    def __init__(self, field_path: str, problem: str, fix: str, *, source: str = "job"):
+        self.field_path, self.problem, self.fix = field_path, problem, fix
+        super().__init__(f"{source}: {field_path}: {problem} (fix: {fix})")
+
+
+def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["model"] = False) -> Any:
+    """A schema field with its documentation.
+
+    ``path=True`` resolves a relative value against the job file's folder; ``path="model"`` too,
+    except that a hub-style name (``org/name``) that is no local folder stays a name.
+    """
+    meta = {"doc": doc, "path": path}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------- sections
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Pooling = Literal["auto", "mean", "cls", "last"]
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    path: str = opt(doc="A Parquet file, a directory of Parquet files or a glob (`data/*.parquet`).", path=True)
+    text_column: str = opt("text", "Column holding the text to embed.")
+    id_column: str = opt("id", "Column holding each row's id; its type is kept in the output.")
+    unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows.")
+
+    def validate(self) -> None:
+        _positive(self, "input", "unit_rows")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = opt(doc="A local model directory (Hugging Face / sentence-transformers layout) or a hub name "
+                        "resolved offline from an installed model package or the local HF cache.", path="model")
+    max_seq_len: int | None = opt(None, "Truncate longer texts to this many tokens (special tokens included); "
+                                        "null: the model's sentence-transformers max length, else its position limit.")
+    dtype: Dtype = opt("float32", "Compute dtype of the encoder. Layer norms, softmax and pooling accumulate in float32.")
+    pooling: Pooling = opt("auto", "auto: what the model's sentence-transformers config says (mean for encoders without one).")
+    normalize: bool | Literal["auto"] = opt("auto", "L2-normalise vectors; auto: what the model's sentence-transformers config says.")
+
+    def validate(self) -> None:
+        if self.max_seq_len is not None:
+            _positive(self, "model", "max_seq_len")
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_tokens: int = opt(8192, "Token budget of one encoder step (real tokens, no padding).")
+    sort_window: int = opt(4096, "Sequences sorted by length together before cutting batches; larger packs tighter.")
+
+    def validate(self) -> None:
+        _positive(self, "batching", "max_tokens")
+        _positive(self, "batching", "sort_window")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    path: str = opt(doc="Output directory: vectors land in `<path>/vectors/`, the report in `<path>/report.json`.", path=True)
+    format: Literal["parquet"] = opt("parquet", "What to write: parquet (one part file per work unit).")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    address: str = opt("", "Empty: start an embedded local Ray. `auto` or `ray://host:port` or `host:port`: join a cluster.")
+    workers: int | None = opt(None, "Worker actors; null: one per GPU, else one.")
+    cpus_per_worker: int | None = opt(None, "CPUs (and torch threads) per worker; null: the node's CPUs split over the workers (GPU workers: 2).")
+
+    def validate(self) -> None:
+        if self.workers is not None:
+            _positive(self, "cluster", "workers")
+        if self.cpus_per_worker is not None:
+            _positive(self, "cluster", "cpus_per_worker")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when the worker has a GPU, else cpu.")
+    attention: Literal["auto", "sdpa", "reference", "varlen", "flash"] = opt(
+        "auto", "Attention backend; auto: flash-attn or torch varlen on GPU, SDPA on CPU.")
+
+
+SECTIONS: dict[str, type] = {
+    "input": InputConfig,
+    "model": ModelConfig,
+    "batching": BatchingConfig,
+    "output": OutputConfig,
+    "cluster": ClusterConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A validated job: one frozen dataclass per section."""
+
+    input: InputConfig
+    model: ModelConfig
+    output: OutputConfig
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    name: str = "job"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+
+    def replace(self, **sections: Any) -> "JobSpec":
+        """A copy with some fields changed: ``job.replace(output={"path": "/tmp/x"})``."""
+        raw = self.to_dict()
+        for section, values in sections.items():
+            raw.setdefault(section, {}).update(values)
+        return parse_job(raw, name=self.name)
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_job(path: str | os.PathLike, *, overrides: list[str] | None = None) -> JobSpec:
+    """Read, override (``key.path=value``) and validate a job file."""
+    path = Path(path)
+    source = str(path)
+    if not path.is_file():
+        raise JobError("job", f"file {source!r} does not exist", "pass the path of a job YAML file", source=source)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise JobError("job", f"is not valid YAML ({exc})", "fix the YAML syntax", source=source) from exc
+    if not isinstance(raw, dict):
+        raise JobError("job", "must be a mapping of sections", "write `input:`, `model:`, `output:` sections", source=source)
+    raw = _resolve_paths(raw, base=path.parent)
+    for item in overrides or []:
+        apply_override(raw, item, source=source)
+    return parse_job(raw, name=path.stem, source=source)
+
+
+def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
+    """Apply one ``section.field=value`` override in place; the value is parsed as YAML."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise JobError("--set", f"{item!r} is not of the form section.field=value",
+                       "write e.g. --set output.path=/tmp/out", source=source)
+    section, name = parts
+    if section not in SECTIONS:
+        raise JobError(key, f"unknown section {section!r}", f"use one of {', '.join(SECTIONS)}", source=source)
+    value = yaml.safe_load(text) if text.strip() else ""
+    f = _field(SECTIONS[section], name)
+    if f is not None and f.metadata["path"] and isinstance(value, str) and value:
+        value = _resolve(value, Path.cwd(), hub_name=f.metadata["path"] == "model")
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise JobError(section, "must be a mapping", f"write `{section}:` followed by indented fields", source=source)
+    raw[section][name] = value
+
+
+def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") -> JobSpec:
+    """Validate a raw mapping (already path-resolved) into a JobSpec."""
+    for section in raw:
+        if section not in SECTIONS and section != "name":
+            raise JobError(str(section), "unknown section", f"use one of {', '.join(SECTIONS)}", source=source)
+    sections = {s: _parse_section(s, cls, raw.get(s), source) for s, cls in SECTIONS.items()}
+    job = JobSpec(name=str(raw.get("name", name)), **sections)
+    _check_files(job, source)
+    return job
+
+
+def _parse_section(section: str, cls: type, raw: Any, source: str) -> Any:
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise JobError(section, f"must be a mapping, got {type(raw).__name__}",
+                       f"write `{section}:` followed by indented fields", source=source)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = _closest(str(key), fields)
+            hint = f"did you mean {section}.{close}?" if close else f"known fields: {', '.join(fields)}"
+            raise JobError(f"{section}.{key}", "unknown field", hint, source=source)
+    values = {}
+    for name, f in fields.items():
+        where = f"{section}.{name}"
+        if name in raw:
+            values[name] = _coerce(raw[name], hints[name], where, source)
+        elif f.default is REQUIRED:
+            raise JobError(where, "is required", f"set {where} in the job file or with --set {where}=...", source=source)
+    obj = cls(**values)
+    try:
+        obj.validate() if hasattr(obj, "validate") else None
+    except JobError as exc:
+        raise JobError(exc.field_path, exc.problem, exc.fix, source=source) from None
+    return obj
+
+
+def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arm in args:
+            try:
+                return _coerce(value, arm, where, source)
+            except JobError as exc:
+                errors.append(exc.problem)
+        raise JobError(where, f"{value!r} is not {_describe(tp)}", f"set {where} to {_describe(tp)}", source=source)
+    if origin is Literal:
+        if value in args and type(value) is type(args[args.index(value)]):
+            return value
+        choices = ", ".join(str(a) for a in args)
+        raise JobError(where, f"{value!r} is not one of {choices}", f"set {where} to one of them", source=source)
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # `1e6` in YAML
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            return [_coerce(v, args[0], f"{where}[{i}]", source) for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return {str(k): _coerce(v, args[1], f"{where}.{k}", source) for k, v in value.items()}
+    else:  # pragma: no cover - a schema annotation this function does not know
+        raise TypeError(f"unsupported schema type {tp!r} at {where}")
+    raise JobError(where, f"{value!r} is not {_describe(tp)}", f"set {where} to {_describe(tp)}", source=source)
+
+
+def _describe(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"a mapping of {_describe(args[1])}"
+    return {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _check_files(job: JobSpec, source: str) -> None:
+    from glob import has_magic
+
+    p = job.input.path
+    if not has_magic(p) and not Path(p).exists():
+        raise JobError("input.path", f"{p!r} does not exist",
+                       "point input.path at a Parquet file, a directory of them or a glob", source=source)
+
+
+def _positive(obj: Any, section: str, name: str) -> None:
+    value = getattr(obj, name)
+    if value <= 0:
+        raise JobError(f"{section}.{name}", f"{value!r} must be positive", f"set {section}.{name} to a number above 0")
+
+
+def _field(cls: type, name: str) -> dataclasses.Field | None:
+    return next((f for f in dataclasses.fields(cls) if f.name == name), None)
+
+
+def _closest(key: str, names: typing.Iterable[str]) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _resolve(value: str, base: Path, *, hub_name: bool = False) -> str:
+    """Resolve a relative local path against ``base``; URLs and absolute paths stay."""
+    if "://" in value or os.path.isabs(value):
+        return value
+    candidate = base / value
+    if hub_name and value.count("/") <= 1 and not candidate.exists() and not value.startswith("."):
+        return value  # `org/name`: resolved offline later by embedpipe.models.resolve
+    return os.path.normpath(str(base.resolve() / value))
+
+
+def _resolve_paths(raw: dict, *, base: Path) -> dict:
+    out = dict(raw)
+    for section, cls in SECTIONS.items():
+        values = out.get(section)
+        if not isinstance(values, dict):
+            continue
+        values = dict(values)
+        for f in dataclasses.fields(cls):
+            if f.metadata["path"] and isinstance(values.get(f.name), str) and values[f.name]:
+                values[f.name] = _resolve(values[f.name], base, hub_name=f.metadata["path"] == "model")
+        out[section] = values
+    return out
+
+
+# --------------------------------------------------------------------------- reference docs
+
+def render_reference() -> str:
+    """The job reference in Markdown, generated from the schema (docs/job-reference.md)."""
+    lines = [
+        "# Job file reference",
+        "",
+        "Generated from `embedpipe/config.py` by `python -m embedpipe.config > docs/job-reference.md`;",
+        "a test fails when this file and the schema disagree.",
+        "",
+        "Relative paths in a job file are resolved against the job file's folder; paths given with",
+        "`--set section.field=value` against the current directory. Any field can be overridden with `--set`.",
+        "",
+    ]
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        lines += [f"## `{section}`", "", "| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = "**required**" if f.default is REQUIRED else f"`{_yaml_scalar(f)}`"
+            lines.append(f"| `{section}.{f.name}` | {_describe(hints[f.name])} | {default} | {f.metadata.get('doc', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _yaml_scalar(f: dataclasses.Field) -> str:
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")

@@ -1,0 +1,1 @@
+"""Readers and writers: Parquet units in, Parquet vector parts out."""

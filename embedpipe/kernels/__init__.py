@@ -1,0 +1,5 @@
+"""Attention kernels behind one packed-varlen signature."""
+
+from embedpipe.kernels.attention import BACKENDS, attention, available_backends, select_backend
+
+__all__ = ["BACKENDS", "attention", "available_backends", "select_backend"]

@@ -1,0 +1,1 @@
+"""Counters, timings and the run report."""

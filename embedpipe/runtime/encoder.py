@@ -1,0 +1,98 @@
+"""An encoder replica: built once (model, head, tokenizer, packer on one device), called per batch."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from embedpipe.models import load_model
+from embedpipe.models.resolve import resolve_model_path
+from embedpipe.report.counters import Counters
+from embedpipe.text.packer import Batch, TokenPacker
+from embedpipe.text.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    """Everything that decides which vectors come out, plus where and how fast they are computed."""
+
+    model_path: str
+    max_seq_len: int | None = None  # None: the model's sentence-transformers max length, else its position limit
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    pooling: Literal["auto", "mean", "cls", "last"] = "auto"
+    normalize: bool | Literal["auto"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention: str = "auto"
+    max_tokens: int = 8192
+    sort_window: int = 4096
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+
+    @classmethod
+    def from_job(cls, job, *, threads: int | None = None) -> "EncoderSettings":
+        m, b, r = job.model, job.batching, job.runtime
+        return cls(model_path=m.path, max_seq_len=m.max_seq_len, dtype=m.dtype, pooling=m.pooling,
+                   normalize=m.normalize, device=r.device, attention=r.attention, max_tokens=b.max_tokens,
+                   sort_window=b.sort_window, threads=threads)
+
+
+class Encoder:
+    def __init__(self, settings: EncoderSettings):
+        self.settings = settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if settings.device == "auto" else settings.device
+        self.model_dir = resolve_model_path(settings.model_path)
+        self.loaded = load_model(self.model_dir, dtype=DTYPES[settings.dtype], device=self.device,
+                                 attention_backend=settings.attention)
+        spec = self.loaded.spec
+        self.head = self.loaded.build_head(pooling=settings.pooling, normalize=settings.normalize)
+        self.max_seq_len = settings.max_seq_len or spec.max_seq_len or _position_limit(self.model_dir)
+        if self.max_seq_len > settings.max_tokens:
+            raise ValueError(f"model.max_seq_len={self.max_seq_len} exceeds batching.max_tokens="
+                             f"{settings.max_tokens}: raise batching.max_tokens or lower model.max_seq_len")
+        self.tokenizer = TextTokenizer(self.model_dir, max_seq_len=self.max_seq_len, lower_case=spec.do_lower_case)
+        self.packer = TokenPacker(max_tokens=settings.max_tokens, sort_window=settings.sort_window)
+        self.dim = self.loaded.dim
+        log.info("encoder %s on %s (%s), dim %d, max_seq_len %d", self.model_dir.name, self.device,
+                 settings.dtype, self.dim, self.max_seq_len)
+
+    @torch.inference_mode()
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """One packed batch to its pooled vectors [B, D] float32 (still on the device)."""
+        dev = self.device
+        cu = batch.cu_seqlens.to(dev, non_blocking=True)
+        hidden = self.loaded.model(batch.input_ids.to(dev, non_blocking=True),
+                                   batch.positions.to(dev, non_blocking=True), cu, batch.max_seqlen)  # [T, H]
+        return self.head(hidden, cu)  # [B, D]
+
+    def embed(self, texts: list[str], counters: Counters | None = None) -> np.ndarray:
+        """Texts to vectors [N, D] float32, in input order."""
+        counters = counters if counters is not None else Counters()
+        with counters.time("tokenize"):
+            tok = self.tokenizer(texts)
+        with counters.time("pack"):
+            batches = self.packer(tok)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        with counters.time("encode"):
+            for batch in batches:
+                out[batch.rows] = self(batch).float().cpu().numpy()
+        counters.rows += len(texts)
+        counters.tokens += int(tok.lengths.sum())
+        counters.padded_tokens += int(tok.lengths.sum())  # packed: no padding on this path
+        counters.truncated_rows += int(tok.truncated.sum())
+        return out
+
+
+def _position_limit(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(min(config.get("max_position_embeddings", 512), 8192))

@@ -1,0 +1,1 @@
+"""Text to tokens: the tokenizer wrapper and the length-sorted packer."""

@@ -1,0 +1,22 @@
+"""Our packed encoder against sentence-transformers on the whole quickstart corpus (fp32)."""
+
+import numpy as np
+import pytest
+import torch
+
+from embedpipe.runtime import Encoder, EncoderSettings
+
+
+def test_quickstart_corpus_matches_sentence_transformers(minilm_dir, quickstart_table):
+    st = pytest.importorskip("sentence_transformers")
+    torch.manual_seed(0)
+    texts = quickstart_table["text"].to_pylist()
+    encoder = Encoder(EncoderSettings(model_path="sentence-transformers/all-MiniLM-L6-v2"))
+    assert encoder.max_seq_len == 256
+    ours = encoder.embed(texts)
+    assert int(encoder.tokenizer(texts).truncated.sum()) >= 20  # the long tail is in the comparison
+    ref = st.SentenceTransformer(str(minilm_dir), device="cpu").encode(texts, batch_size=64,
+                                                                        convert_to_numpy=True)
+    cos = (ours * ref).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999, f"worst row {int(cos.argmin())}: cos {cos.min():.7f}"
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # Normalize module honoured
