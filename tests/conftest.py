@@ -32,7 +32,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
 

@@ -30,7 +30,9 @@ def connect(cfg: ClusterConfig) -> bool:
     else:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
-        ray.init(num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=logging.WARNING)
+        # "local": always a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
+        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
+                 logging_level=logging.WARNING)
     return True
 
 
