@@ -16,53 +16,67 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", help="Override a job field: --set output.path=/tmp/out (repeatable).", show_default=False)]
 
 
+# Exit codes are a contract for schedulers: 0 success, then one code per kind of failure.
+EXIT_BAD_JOB, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3, 4
+
+
+def _fail(exc: BaseException, code: int) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(code=code)
+
+
 def _load(job_file: Path, overrides: list[str] | None):
     from embedpipe.config import JobError, load_job
 
     try:
         return load_job(job_file, overrides=overrides)
     except JobError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
+        raise _fail(exc, EXIT_BAD_JOB) from None
 
 
 @app.command()
 def run(job_file: JobFile, set_: SetOpt = None,
-        progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True) -> None:
-    """Run a job: embed the input and write vectors and report.json under output.path."""
+        progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+        overwrite: Annotated[bool, typer.Option(help="Replace another job's output at output.path.")] = False) -> None:
+    """Run a job: embed the input and write vectors and report.json under output.path.
+
+    Rerunning a job on its own output resumes it: finished units are kept, the rest is redone.
+    """
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
+    from embedpipe.cluster.scheduler import UnitFailed
+    from embedpipe.io.manifest import ManifestMismatch
+    from embedpipe.preflight import ModelError
     from embedpipe.report.report import render_summary
     from embedpipe.units import InputError
 
     try:
-        result = run_job(job, progress=progress)
+        result = run_job(job, progress=progress, overwrite=overwrite)
+    except (ModelError, ManifestMismatch) as exc:
+        raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=3) from None
+        raise _fail(exc, EXIT_BAD_INPUT) from None
+    except UnitFailed as exc:
+        raise _fail(exc, EXIT_RUN_FAILED) from None
     typer.echo(render_summary(result.report))
     typer.echo(f"vectors: {result.vectors_path}\nreport: {result.output_path / 'report.json'}")
 
 
 @app.command()
 def validate(job_file: JobFile, set_: SetOpt = None) -> None:
-    """Check a job file without running it."""
+    """Check a job file, its input files and its model without running it."""
     job = _load(job_file, set_)
-    from embedpipe.units import InputError, list_files, plan_units
+    from embedpipe.preflight import ModelError, preflight
+    from embedpipe.units import InputError
 
     try:
-        units = plan_units(list_files(job.input.path), unit_rows=job.input.unit_rows)
+        plan = preflight(job)
+    except ModelError as exc:
+        raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=3) from None
-    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
-
-    try:
-        model_dir = resolve_model_path(job.model.path)
-    except ModelNotFound as exc:
-        typer.echo(f"error: model.path: {exc}", err=True)
-        raise typer.Exit(code=2) from None
-    typer.echo(f"ok: {job.name}: {len(units)} units, {sum(u.num_rows for u in units):,} rows; model {model_dir}")
+        raise _fail(exc, EXIT_BAD_INPUT) from None
+    rows = sum(u.num_rows for u in plan.units)
+    typer.echo(f"ok: {job.name}: {len(plan.units)} units, {rows:,} rows; model {plan.model_dir}")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -56,6 +56,12 @@ class InputConfig:
     text_column: str = opt("text", "Column holding the text to embed.")
     id_column: str = opt("id", "Column holding each row's id; its type is kept in the output.")
     unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows.")
+    on_bad_row: Literal["error", "skip", "embed_empty"] = opt(
+        "error", "A row whose text is null, empty, not text or not valid UTF-8: error stops the run naming the row; "
+                 "skip writes no vector and lists the id in `<output.path>/skipped.parquet`; embed_empty embeds ''.")
+    on_duplicate_id: Literal["error", "keep_first"] = opt(
+        "error", "An id seen twice in the input: error stops before encoding; keep_first embeds the first "
+                 "occurrence (input order) and lists the others in skipped.parquet.")
 
     def validate(self) -> None:
         _positive(self, "input", "unit_rows")
@@ -70,6 +76,8 @@ class ModelConfig:
     dtype: Dtype = opt("float32", "Compute dtype of the encoder. Layer norms, softmax and pooling accumulate in float32.")
     pooling: Pooling = opt("auto", "auto: what the model's sentence-transformers config says (mean for encoders without one).")
     normalize: bool | Literal["auto"] = opt("auto", "L2-normalise vectors; auto: what the model's sentence-transformers config says.")
+    allow_pickle: bool = opt(False, "Also read pickled weights (`pytorch_model.bin`, with torch.load(weights_only=True)) "
+                                    "when the model has no safetensors. Code in a model directory is never run.")
 
     def validate(self) -> None:
         if self.max_seq_len is not None:
@@ -97,8 +105,14 @@ class ClusterConfig:
     address: str = opt("", "Empty: start an embedded local Ray. `auto` or `ray://host:port` or `host:port`: join a cluster.")
     workers: int | None = opt(None, "Worker actors; null: one per GPU, else one.")
     cpus_per_worker: int | None = opt(None, "CPUs (and torch threads) per worker; null: the node's CPUs split over the workers (GPU workers: 2).")
+    max_attempts: int = opt(3, "A unit whose worker dies (killed, out of memory) goes back to the queue; after this many "
+                               "deaths it fails the run (or is skipped, see on_error).")
+    on_error: Literal["fail", "skip_unit"] = opt(
+        "fail", "A unit that failed max_attempts times: fail stops the run naming the unit and its file; "
+                "skip_unit leaves it out and lists it under `units.failed_units` in the report.")
 
     def validate(self) -> None:
+        _positive(self, "cluster", "max_attempts")
         if self.workers is not None:
             _positive(self, "cluster", "workers")
         if self.cpus_per_worker is not None:

@@ -20,6 +20,7 @@ class Unit:
     file: str
     row_groups: tuple[int, ...]
     num_rows: int
+    drop_rows: tuple[int, ...] = ()  # rows (unit-local) removed as duplicate ids (input.on_duplicate_id: keep_first)
 
     @property
     def label(self) -> str:

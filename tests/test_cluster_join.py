@@ -23,13 +23,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TOKEN = "0123456789abcdef" * 4  # this head's own auth token, independent of ~/.ray/auth_token
+
+
 @pytest.fixture
 def ray_head():
     port, temp = _free_port(), f"/tmp/ep_head_{os.getpid()}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
            "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
            f"--temp-dir={temp}", "--disable-usage-stats"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)
     try:
         yield f"127.0.0.1:{port}"
     finally:
@@ -60,7 +64,8 @@ def test_run_joins_an_existing_cluster(tmp_path, ray_head, quickstart_table):
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
                     output={"path": str(tmp_path / "out")},
                     cluster={"address": "auto", "workers": 1})
-    env = {**os.environ, "RAY_ADDRESS": ray_head}
+    # No RAY_AUTH_MODE: embedpipe must send the machine's token by itself, as a user's shell would.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {"RAY_AUTH_TOKEN": TOKEN}
     run = subprocess.run([str(BIN / "embedpipe"), "run", str(job), "--set", f"cluster.address={ray_head}",
                           "--no-progress"], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout + run.stderr

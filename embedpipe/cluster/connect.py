@@ -26,6 +26,7 @@ def connect(cfg: ClusterConfig) -> bool:
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if cfg.address:
+        _use_token_if_available()
         ray.init(address=cfg.address, logging_level=logging.WARNING, log_to_driver=True)
     else:
         cpus = os.cpu_count() or 1
@@ -34,6 +35,27 @@ def connect(cfg: ClusterConfig) -> bool:
         ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
                  logging_level=logging.WARNING)
     return True
+
+
+def _use_token_if_available() -> None:
+    """Send Ray's auth token when joining a cluster, as the cluster's own processes do.
+
+    A cluster started with `ray start` enables token auth when this machine has a token
+    (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), but a client that
+    joins by address does not send it unless ``RAY_AUTH_MODE=token``: the join then fails with
+    InvalidAuthToken. A token sent to a cluster without auth is ignored, so sending it is safe.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray reads its config when imported: refresh it, as ray.init does for local clusters
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except (ImportError, AttributeError):  # older Ray without token auth
+            pass
 
 
 def plan_workers(cfg: ClusterConfig) -> WorkerPlan:

@@ -1,23 +1,31 @@
-"""The driver: plan units, start worker actors, hand out units first-come first-served, report."""
+"""The driver: check the job, resume from the manifest, run the remaining units on Ray, report.
+
+The driver never holds the corpus or its vectors: workers read their units and write their
+parts and manifest records themselves; the driver sees only counters.
+"""
 
 from __future__ import annotations
 
 import logging
+import resource
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.connect import connect, plan_workers
-from embedpipe.cluster.worker import EmbedWorker, UnitResult
+from embedpipe.cluster.scheduler import Scheduler
+from embedpipe.cluster.worker import EmbedWorker
 from embedpipe.config import JobSpec
-from embedpipe.io.reader import check_columns
+from embedpipe.io.manifest import Manifest, job_fingerprint
+from embedpipe.io.writer import write_table_atomic
+from embedpipe.preflight import preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.report import build_report, write_report
-from embedpipe.units import list_files, plan_units
 
 log = logging.getLogger(__name__)
 
@@ -32,53 +40,69 @@ class RunResult:
         return self.output_path / "vectors"
 
 
-def run_job(job: JobSpec, *, progress: bool = True) -> RunResult:
+def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
     started = time.perf_counter()
-    files = list_files(job.input.path)
-    for file in files:  # a bad file fails here, before any model is loaded
-        check_columns(file, text_column=job.input.text_column, id_column=job.input.id_column)
-    units = plan_units(files, unit_rows=job.input.unit_rows)
+    plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
+                             overwrite=overwrite)
+    unit_ids = {u.id for u in plan.units}
+    done = {k: v for k, v in manifest.done().items() if k in unit_ids}
+    manifest.clean_partials(set(done))
+    todo = [u for u in plan.units if u.id not in done]
+    if done:
+        log.warning("resuming %s: %d of %d units already done", output, len(done), len(plan.units))
 
-    started_ray = connect(job.cluster)
-    try:
-        plan = plan_workers(job.cluster)
-        actor_cls = ray.remote(EmbedWorker)
-        actors = [actor_cls.options(num_cpus=plan.cpus_per_worker, num_gpus=plan.gpus_per_worker)
-                  .remote(job, index=i, threads=plan.cpus_per_worker) for i in range(plan.workers)]
-        total = Counters()
-        per_worker = [Counters() for _ in actors]
-        with tqdm(total=sum(u.num_rows for u in units), unit="rows", disable=not progress,
-                  desc=job.name, dynamic_ncols=True) as bar:
-            for result in _first_come_first_served(actors, deque(units)):
-                counters = Counters.from_dict(result.counters)
-                total.merge(counters)
-                per_worker[result.worker].merge(counters)
-                bar.update(counters.rows)
-                elapsed = max(time.perf_counter() - started, 1e-9)
-                bar.set_postfix(tokens_per_s=f"{total.tokens / elapsed:,.0f}", refresh=False)
-        for actor in actors:
-            ray.kill(actor)
-    finally:
-        if started_ray:
-            ray.shutdown()
-    report = build_report(total, wall_seconds=time.perf_counter() - started, workers=len(per_worker),
-                          units=len(units))
+    this_run, per_worker, peaks = Counters(), [], {}
+    scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
+    if todo:
+        started_ray = connect(job.cluster)
+        try:
+            workers = plan_workers(job.cluster)
+            actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
+                                                        num_gpus=workers.gpus_per_worker, max_restarts=0)
+            scheduler = Scheduler(
+                make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker),
+                workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
+                on_error=job.cluster.on_error)
+            per_worker = [Counters() for _ in range(scheduler.workers)]
+            with tqdm(total=sum(u.num_rows for u in todo), unit="rows", disable=not progress, desc=job.name,
+                      dynamic_ncols=True) as bar:
+                for result in scheduler.run(todo):
+                    counters = Counters.from_dict(result.counters)
+                    this_run.merge(counters)
+                    per_worker[result.worker].merge(counters)
+                    peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
+                    bar.update(counters.rows + counters.skipped_rows)
+                    elapsed = max(time.perf_counter() - started, 1e-9)
+                    bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
+        finally:
+            if started_ray:
+                ray.shutdown()
+
+    total = Counters()
+    for record in manifest.done().values():
+        if record["unit_id"] in unit_ids:
+            total.merge(Counters.from_dict(record["counters"]))
+    _merge_skipped(manifest, output)
+    report = build_report(
+        total, this_run=this_run, wall_seconds=time.perf_counter() - started, workers=len(per_worker),
+        units={"total": len(plan.units), "skipped_as_done": len(done), "encoded": len(todo) - len(scheduler.failed),
+               "retried": scheduler.retried, "failed": len(scheduler.failed),
+               "failed_units": [f.to_dict() for f in scheduler.failed]},
+        peak_rss_mb={"driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                     "workers": [peaks.get(i) for i in range(len(per_worker))]},
+    )
     write_report(output, report)
     return RunResult(output_path=output, report=report)
 
 
-def _first_come_first_served(actors: list, queue: deque):
-    """Yield unit results as they finish; a worker that finishes takes the next unit."""
-    inflight: dict = {}
-    for actor in actors:
-        if queue:
-            inflight[actor.process.remote(queue.popleft())] = actor
-    while inflight:
-        [ready], _ = ray.wait(list(inflight), num_returns=1)
-        actor = inflight.pop(ready)
-        result: UnitResult = ray.get(ready)
-        if queue:
-            inflight[actor.process.remote(queue.popleft())] = actor
-        yield result
+def _merge_skipped(manifest: Manifest, output: Path) -> None:
+    """One ``skipped.parquet`` (id, reason) from the per-unit files, in unit order."""
+    files = manifest.skipped_files()
+    target = output / "skipped.parquet"
+    if not files:
+        target.unlink(missing_ok=True)
+        return
+    write_table_atomic(pa.concat_tables([pq.read_table(f) for f in files]), target)

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from embedpipe.io.rows import ScreenedRows, screen_rows
 from embedpipe.units import InputError, Unit
 
-
-@dataclass
-class UnitRows:
-    ids: pa.Array  # the input ids, type kept
-    texts: list[str]
+TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 
 
 def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetFile:
@@ -31,22 +26,24 @@ def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetF
     return pf
 
 
+def is_text_type(tp: pa.DataType) -> bool:
+    return any(check(tp) for check in TEXT_TYPES)
+
+
 class ParquetReader:
-    """Built once per worker; called per unit."""
+    """Built once per worker; called per unit: the unit's rows, screened by the bad-row policy."""
 
-    def __init__(self, *, text_column: str, id_column: str):
-        self.text_column, self.id_column = text_column, id_column
+    def __init__(self, *, text_column: str, id_column: str, on_bad_row: str = "error"):
+        self.text_column, self.id_column, self.on_bad_row = text_column, id_column, on_bad_row
 
-    def __call__(self, unit: Unit) -> UnitRows:
+    def __call__(self, unit: Unit) -> ScreenedRows:
         pf = check_columns(unit.file, text_column=self.text_column, id_column=self.id_column)
-        table = pf.read_row_groups(list(unit.row_groups), columns=[self.id_column, self.text_column])
+        try:
+            table = pf.read_row_groups(list(unit.row_groups), columns=[self.id_column, self.text_column])
+        except Exception as exc:  # a corrupt page shows only when read
+            raise InputError(f"{unit.label}: cannot read ({exc}): replace or remove the file") from exc
         ids = table.column(self.id_column).combine_chunks()
-        text = table.column(self.text_column).combine_chunks()
-        if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)):
-            raise InputError(f"{unit.file}: column {self.text_column!r} holds {text.type}, not text: "
-                             f"set input.text_column to a string column")
-        if text.null_count:
-            first = pc.index(pc.is_null(text), True).as_py()
-            raise InputError(f"{unit.file}: row with id {ids[first].as_py()!r} has no text (null): "
-                             f"fix the row or remove it from the input")
-        return UnitRows(ids=ids, texts=text.to_pylist())
+        drop = np.zeros(len(ids), dtype=bool)
+        drop[list(unit.drop_rows)] = True
+        return screen_rows(ids, table.column(self.text_column).combine_chunks(), policy=self.on_bad_row,
+                           drop=drop, where=f"{unit.file} ({unit.label})")

@@ -17,6 +17,15 @@ def vectors_table(ids: pa.Array, vectors: np.ndarray) -> pa.Table:
     return pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(flat, dim)})
 
 
+def write_table_atomic(table: pa.Table, path: Path) -> Path:
+    """Write to a temporary name in the same folder, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
 class ParquetPartWriter:
     """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit."""
 
@@ -28,8 +37,4 @@ class ParquetPartWriter:
         return self.dir / f"part-{unit_id}.parquet"
 
     def __call__(self, unit_id: str, ids: pa.Array, vectors: np.ndarray) -> str:
-        final = self.path_for(unit_id)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        pq.write_table(vectors_table(ids, vectors), tmp)
-        os.replace(tmp, final)
-        return str(final)
+        return str(write_table_atomic(vectors_table(ids, vectors), self.path_for(unit_id)))

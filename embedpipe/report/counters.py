@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
 STAGES = ("read", "tokenize", "pack", "encode", "write")
@@ -12,10 +12,12 @@ STAGES = ("read", "tokenize", "pack", "encode", "write")
 
 @dataclass
 class Counters:
-    rows: int = 0
+    rows: int = 0  # rows that got a vector
     tokens: int = 0  # real tokens, no padding
     padded_tokens: int = 0  # tokens the encoder computed, padding included
     truncated_rows: int = 0
+    skipped_rows: int = 0  # rows that got no vector (bad rows under on_bad_row: skip, duplicate ids)
+    bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows, whatever the policy did with them
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @contextmanager
@@ -27,12 +29,14 @@ class Counters:
             self.stages[stage] = self.stages.get(stage, 0.0) + time.perf_counter() - start
 
     def merge(self, other: "Counters") -> "Counters":
-        self.rows += other.rows
-        self.tokens += other.tokens
-        self.padded_tokens += other.padded_tokens
-        self.truncated_rows += other.truncated_rows
-        for stage, seconds in other.stages.items():
-            self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+        """Add ``other`` in place: numbers add, dicts add key by key."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value
+            else:
+                setattr(self, f.name, mine + theirs)
         return self
 
     def to_dict(self) -> dict:
@@ -40,4 +44,5 @@ class Counters:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Counters":
-        return cls(**{**data, "stages": dict(data["stages"])})
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in known})

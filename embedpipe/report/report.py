@@ -1,4 +1,9 @@
-"""The run report: report.json (a stable contract later work extends) and a printed summary."""
+"""The run report: report.json (a stable contract later work extends) and a printed summary.
+
+Totals (``rows``, ``tokens``, ``skipped_rows``, ``truncated_rows``, ``stages``...) describe the whole
+output, resumed units included (each unit's counters are kept in its manifest record). Rates
+(``rows_per_second``, ``tokens_per_second``) describe this run: what it encoded over its wall time.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +14,23 @@ from pathlib import Path
 from embedpipe.report.counters import Counters
 
 
-def build_report(total: Counters, *, wall_seconds: float, workers: int, units: int) -> dict:
+def build_report(total: Counters, *, this_run: Counters, wall_seconds: float, workers: int, units: dict,
+                 peak_rss_mb: dict | None = None) -> dict:
     wall = max(wall_seconds, 1e-9)
     return {
         "rows": total.rows,
         "tokens": total.tokens,
         "padded_tokens": total.padded_tokens,
         "truncated_rows": total.truncated_rows,
+        "skipped_rows": total.skipped_rows,
+        "bad_rows": dict(sorted(total.bad_rows.items())),
         "wall_seconds": round(wall_seconds, 3),
-        "rows_per_second": round(total.rows / wall, 2),
-        "tokens_per_second": round(total.tokens / wall, 2),
+        "rows_per_second": round(this_run.rows / wall, 2),
+        "tokens_per_second": round(this_run.tokens / wall, 2),
         "workers": workers,
         "units": units,
         "stages": {stage: round(seconds, 3) for stage, seconds in total.stages.items()},
+        "peak_rss_mb": peak_rss_mb or {},
     }
 
 
@@ -35,7 +44,14 @@ def write_report(output: Path, report: dict) -> Path:
 
 def render_summary(report: dict) -> str:
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in report["stages"].items())
-    return (f"{report['rows']:,} rows, {report['tokens']:,} tokens in {report['wall_seconds']:.1f}s "
-            f"on {report['workers']} worker(s): {report['rows_per_second']:,.0f} rows/s, "
-            f"{report['tokens_per_second']:,.0f} tokens/s\n"
-            f"truncated rows: {report['truncated_rows']:,}; worker-seconds by stage: {stages}")
+    units = report["units"]
+    lines = [
+        f"{report['rows']:,} rows, {report['tokens']:,} tokens in the output; this run: "
+        f"{report['rows_per_second']:,.0f} rows/s, {report['tokens_per_second']:,.0f} tokens/s over "
+        f"{report['wall_seconds']:.1f}s on {report['workers']} worker(s)",
+        f"units: {units['total']} total, {units['skipped_as_done']} already done, {units['encoded']} encoded, "
+        f"{units['retried']} retried, {units['failed']} failed",
+        f"truncated rows: {report['truncated_rows']:,}; skipped rows: {report['skipped_rows']:,}; "
+        f"worker-seconds by stage: {stages}",
+    ]
+    return "\n".join(lines)

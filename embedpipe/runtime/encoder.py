@@ -36,13 +36,14 @@ class EncoderSettings:
     max_tokens: int = 8192
     sort_window: int = 4096
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    allow_pickle: bool = False  # also read pytorch_model.bin (torch.load(weights_only=True))
 
     @classmethod
     def from_job(cls, job, *, threads: int | None = None) -> "EncoderSettings":
         m, b, r = job.model, job.batching, job.runtime
         return cls(model_path=m.path, max_seq_len=m.max_seq_len, dtype=m.dtype, pooling=m.pooling,
                    normalize=m.normalize, device=r.device, attention=r.attention, max_tokens=b.max_tokens,
-                   sort_window=b.sort_window, threads=threads)
+                   sort_window=b.sort_window, threads=threads, allow_pickle=m.allow_pickle)
 
 
 class Encoder:
@@ -53,7 +54,7 @@ class Encoder:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if settings.device == "auto" else settings.device
         self.model_dir = resolve_model_path(settings.model_path)
         self.loaded = load_model(self.model_dir, dtype=DTYPES[settings.dtype], device=self.device,
-                                 attention_backend=settings.attention)
+                                 attention_backend=settings.attention, allow_pickle=settings.allow_pickle)
         spec = self.loaded.spec
         self.head = self.loaded.build_head(pooling=settings.pooling, normalize=settings.normalize)
         self.max_seq_len = settings.max_seq_len or spec.max_seq_len or _position_limit(self.model_dir)

@@ -1,0 +1,125 @@
+"""Checks that run on the driver before any worker starts or any model runs.
+
+A corrupt or unreadable file, a missing column, duplicate ids and a model directory with
+missing or unsafe files are each reported here, naming the file and the fix, so a bad nightly
+job fails in seconds instead of after an hour of encoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from embedpipe.config import JobSpec
+from embedpipe.io.reader import check_columns, is_text_type
+from embedpipe.units import InputError, Unit, list_files, plan_units
+
+MAX_LISTED = 5  # duplicate ids named in an error message
+
+
+class ModelError(ValueError):
+    """The model directory cannot be used as it is: names the file and the fix."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    files: list[str]
+    units: list[Unit]
+    model_dir: Path
+    duplicate_rows: int  # rows dropped by on_duplicate_id: keep_first
+
+
+def preflight(job: JobSpec) -> Plan:
+    files = list_files(job.input.path)
+    for file in files:
+        pf = check_columns(file, text_column=job.input.text_column, id_column=job.input.id_column)
+        text_type = pf.schema_arrow.field(job.input.text_column).type
+        if not is_text_type(text_type) and job.input.on_bad_row == "error":
+            raise InputError(f"{file}: column {job.input.text_column!r} holds {text_type}, not text: set "
+                             f"input.text_column to a text column (or input.on_bad_row to skip them)")
+    units = plan_units(files, unit_rows=job.input.unit_rows)
+    units, dropped = _resolve_duplicates(units, id_column=job.input.id_column, policy=job.input.on_duplicate_id)
+    return Plan(files=files, units=units, model_dir=check_model_dir(job.model.path, allow_pickle=job.model.allow_pickle),
+                duplicate_rows=dropped)
+
+
+def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
+    """Resolve ``model.path`` offline and check the files a worker will need are there and safe."""
+    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
+    from embedpipe.models.st import read_st_spec
+
+    try:
+        model_dir = resolve_model_path(path)
+    except ModelNotFound as exc:
+        raise ModelError(f"model.path: {exc}") from None
+    try:
+        spec = read_st_spec(model_dir, allow_pickle=allow_pickle)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ModelError(f"model.path: {model_dir}: {exc}") from None
+    weights_dir = model_dir / spec.transformer_dir
+    for name, fix in (("config.json", "copy the model's config.json into the directory"),
+                      ("tokenizer.json", "save the fast tokenizer there (AutoTokenizer.save_pretrained)")):
+        if not (weights_dir / name).is_file():
+            raise ModelError(f"model.path: {weights_dir} has no {name}: {fix}")
+    if not any(weights_dir.glob("*.safetensors")):
+        pickles = sorted(p.name for p in weights_dir.glob("pytorch_model*.bin"))
+        if not pickles:
+            raise ModelError(f"model.path: {weights_dir} has no weights (*.safetensors): copy the model's "
+                             f"safetensors files into the directory")
+        if not allow_pickle:
+            raise ModelError(f"model.path: {weights_dir} has only pickled weights ({', '.join(pickles)}): convert "
+                             f"them to safetensors, or set model.allow_pickle: true to load them with "
+                             f"torch.load(weights_only=True)")
+    return model_dir
+
+
+def _resolve_duplicates(units: list[Unit], *, id_column: str, policy: str) -> tuple[list[Unit], int]:
+    """Find ids seen more than once (in input order); error, or mark later copies to drop."""
+    keys, owners = [], []  # per unit: [n, 2] uint64 keys; (unit index, local row) of each key
+    for u, unit in enumerate(units):
+        ids = pq.ParquetFile(unit.file).read_row_groups(list(unit.row_groups), columns=[id_column]).column(0)
+        keys.append(_id_keys(ids.combine_chunks()))
+        owners.append(np.stack([np.full(len(ids), u), np.arange(len(ids))], axis=1))
+    if not keys:
+        return units, 0
+    key = np.concatenate(keys)  # [N, 2]
+    owner = np.concatenate(owners)  # [N, 2]
+    order = np.lexsort((key[:, 1], key[:, 0]))  # stable: equal keys stay in input order
+    k = key[order]
+    later = np.zeros(len(order), dtype=bool)
+    later[1:] = (k[1:] == k[:-1]).all(axis=1)  # same key as the previous row in sorted order
+    dup_rows = owner[np.sort(order[later])]  # [D, 2] the second and later occurrences, input order
+    if not len(dup_rows):
+        return units, 0
+    if policy == "error":
+        examples = []
+        for u, row in dup_rows[:MAX_LISTED]:
+            ids = pq.ParquetFile(units[u].file).read_row_groups(list(units[u].row_groups), columns=[id_column])
+            examples.append(f"{ids.column(0)[int(row)].as_py()!r} ({units[u].file})")
+        raise InputError(f"{len(dup_rows)} rows repeat an id seen earlier, e.g. {', '.join(examples)}: "
+                         f"make the ids unique, or set input.on_duplicate_id: keep_first")
+    drops: dict[int, list[int]] = {}
+    for u, row in dup_rows.tolist():
+        drops.setdefault(u, []).append(row)
+    units = [replace(unit, drop_rows=tuple(sorted(drops[u]))) if u in drops else unit for u, unit in enumerate(units)]
+    return units, len(dup_rows)
+
+
+def _id_keys(ids: pa.Array) -> np.ndarray:
+    """Two uint64 words per id: the value itself for integers, else 128 bits of blake2b of its text."""
+    if pa.types.is_integer(ids.type) and ids.null_count == 0:
+        values = ids.to_numpy().astype(np.int64).view(np.uint64)
+        return np.stack([values, np.zeros_like(values)], axis=1)
+    digests = b"".join(hashlib.blake2b(_id_bytes(v), digest_size=16).digest() for v in ids.to_pylist())
+    return np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2)
+
+
+def _id_bytes(value) -> bytes:
+    if isinstance(value, bytes):
+        return b"b" + value
+    return b"s" + repr(value).encode()
