@@ -16,12 +16,13 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", help="Override a job field: --set output.path=/tmp/out (repeatable).", show_default=False)]
 
 
-# Exit codes are a contract for schedulers: 0 success, then one code per kind of failure.
-EXIT_BAD_JOB, EXIT_BAD_INPUT, EXIT_RUN_FAILED = 2, 3, 4
+# Exit codes are a contract for schedulers (docs/operations.md): 0 success, then one per kind of failure.
+EXIT_BAD_JOB, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_BUSY = 2, 3, 4, 5
 
 
 def _fail(exc: BaseException, code: int) -> typer.Exit:
-    typer.echo(f"error: {exc}", err=True)
+    """One line on stderr, then the exit code."""
+    typer.echo("error: " + " ".join(str(exc).split()), err=True)
     return typer.Exit(code=code)
 
 
@@ -45,10 +46,12 @@ def run(job_file: JobFile, set_: SetOpt = None,
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
     from embedpipe.cluster.scheduler import UnitFailed
+    from embedpipe.io.lock import OutputBusy
     from embedpipe.io.manifest import ManifestMismatch
     from embedpipe.preflight import ModelError
     from embedpipe.report.report import render_summary
     from embedpipe.units import InputError
+    from embedpipe.versions import RunFailed
 
     try:
         result = run_job(job, progress=progress, overwrite=overwrite)
@@ -56,9 +59,15 @@ def run(job_file: JobFile, set_: SetOpt = None,
         raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
         raise _fail(exc, EXIT_BAD_INPUT) from None
-    except UnitFailed as exc:
+    except (UnitFailed, RunFailed) as exc:
+        raise _fail(exc, EXIT_RUN_FAILED) from None
+    except OutputBusy as exc:
+        raise _fail(exc, EXIT_BUSY) from None
+    except (RuntimeError, ConnectionError, OSError) as exc:  # the cluster, the disk: the run could not finish
         raise _fail(exc, EXIT_RUN_FAILED) from None
     typer.echo(render_summary(result.report))
+    if "version" in result.report:
+        typer.echo(f"CURRENT -> {result.report['version']['run_id']}")
     typer.echo(f"vectors: {result.vectors_path}\nreport: {result.output_path / 'report.json'}")
 
 

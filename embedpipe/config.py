@@ -98,6 +98,19 @@ class BatchingConfig:
 class OutputConfig:
     path: str = opt(doc="Output directory: vectors land in `<path>/vectors/`, the report in `<path>/report.json`.", path=True)
     format: Literal["parquet"] = opt("parquet", "What to write: parquet (one part file per work unit).")
+    versioned: bool = opt(False, "Write each run to `<path>/versions/<run id>/` and, once it finished and validated, "
+                                 "point `<path>/CURRENT` at it (an atomic rename); a failed run never moves CURRENT.")
+    keep_versions: int | None = opt(None, "Versioned outputs: keep this many newest finished versions (never "
+                                          "the current one); null keeps all.")
+    incremental: bool = opt(False, "Versioned outputs: reuse the current version's vectors for rows whose id, "
+                                   "text and vector settings are unchanged; encode only new and changed rows.")
+
+    def validate(self) -> None:
+        if self.keep_versions is not None:
+            _positive(self, "output", "keep_versions")
+        if (self.incremental or self.keep_versions is not None) and not self.versioned:
+            field = "incremental" if self.incremental else "keep_versions"
+            raise JobError(f"output.{field}", "needs versioned outputs", "set output.versioned: true")
 
 
 @dataclass(frozen=True)

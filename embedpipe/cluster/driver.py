@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,13 @@ from tqdm.auto import tqdm
 
 from embedpipe.cluster.connect import connect, plan_workers
 from embedpipe.cluster.scheduler import Scheduler
-from embedpipe.cluster.worker import EmbedWorker
+from embedpipe import versions
+from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
-from embedpipe.io.manifest import Manifest, job_fingerprint
+from embedpipe.io.lock import OutputLock
+from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.writer import write_table_atomic
-from embedpipe.preflight import preflight
+from embedpipe.preflight import Plan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.report import build_report, write_report
 
@@ -41,8 +44,37 @@ class RunResult:
 
 
 def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
-    started = time.perf_counter()
+    """Run a job to completion (resuming its own unfinished output); one live run per output path."""
     plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
+    with OutputLock(job.output.path):
+        if job.output.versioned:
+            return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
+        return _run_once(job, plan, progress=progress, overwrite=overwrite)
+
+
+def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool) -> RunResult:
+    root = Path(job.output.path)
+    if overwrite:
+        shutil.rmtree(root / versions.VERSIONS, ignore_errors=True)
+        (root / versions.CURRENT).unlink(missing_ok=True)
+    fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
+    version = versions.choose_version(root, fingerprint)
+    incremental = None
+    if job.output.incremental:
+        incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job))
+    version_job = job.replace(output={"path": str(root / versions.VERSIONS / version)})
+    result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
+                       previous_rows=versions.previous_rows(root) if incremental else 0)
+    versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
+    versions.promote(root, version)
+    result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
+    write_report(result.output_path, result.report)
+    return result
+
+
+def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
+              previous_rows: int = 0) -> RunResult:
+    started = time.perf_counter()
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
@@ -63,7 +95,8 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
-                make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker),
+                make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker,
+                                                         incremental=incremental),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error)
             per_worker = [Counters() for _ in range(scheduler.workers)]
@@ -94,6 +127,9 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         peak_rss_mb={"driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "workers": [peaks.get(i) for i in range(len(per_worker))]},
     )
+    if incremental is not None:
+        report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
+                                 "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
     write_report(output, report)
     return RunResult(output_path=output, report=report)
 

@@ -16,6 +16,14 @@ from embedpipe.config import JobSpec
 from embedpipe.units import Unit
 
 
+@dataclass(frozen=True)
+class Incremental:
+    """What an incremental run's workers need: the hash salt and the previous version's vectors."""
+
+    salt: bytes  # fingerprint of the model and vector settings: part of every content hash
+    previous: str | None  # the current version's vectors/ folder; None on the first run
+
+
 @dataclass
 class UnitResult:
     unit_id: str
@@ -27,7 +35,7 @@ class UnitResult:
 class EmbedWorker:
     """Plain class; the driver wraps it with ``ray.remote`` and its resources."""
 
-    def __init__(self, job: JobSpec, *, index: int, threads: int):
+    def __init__(self, job: JobSpec, *, index: int, threads: int, incremental: Incremental | None = None):
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.reader import ParquetReader
@@ -40,6 +48,12 @@ class EmbedWorker:
         self.encoder = Encoder(EncoderSettings.from_job(job, threads=threads))
         self.writer = ParquetPartWriter(output_path=job.output.path)
         self.manifest = Manifest(job.output.path)
+        self.incremental = incremental
+        self.previous = None
+        if incremental is not None and incremental.previous:
+            from embedpipe.io.reuse import PreviousVectors
+
+            self.previous = PreviousVectors(incremental.previous)
 
     def info(self) -> dict:
         return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
@@ -52,10 +66,14 @@ class EmbedWorker:
         counters = Counters()
         with counters.time("read"):
             rows = self.reader(unit)
-        vectors = self.encoder.embed(rows.texts, counters)
+        extra = None
+        if self.incremental is None:
+            vectors = self.encoder.embed(rows.texts, counters)
+        else:
+            vectors, extra = self._embed_incremental(rows, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
-            part = self.writer(unit.id, rows.ids, vectors)
+            part = self.writer(unit.id, rows.ids, vectors, extra)
             if rows.skipped.num_rows:
                 write_table_atomic(rows.skipped, self.manifest.skipped_path(unit.id))
             self.manifest.record(unit.id, parts=[part], file=unit.file, row_groups=list(unit.row_groups),
@@ -63,3 +81,23 @@ class EmbedWorker:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1))
 
+    def _embed_incremental(self, rows, counters):
+        """Encode only rows whose content changed; take the others' vectors from the previous version."""
+        import numpy as np
+
+        from embedpipe.io.reuse import content_hashes
+
+        with counters.time("reuse"):
+            hashes = content_hashes(rows.texts, salt=self.incremental.salt)
+            reuse = np.zeros(len(rows.texts), dtype=bool)
+            if self.previous is not None:
+                reuse, reused, counters.previous_ids = self.previous.lookup(rows.ids, hashes)
+        fresh = np.flatnonzero(~reuse)
+        encoded = self.encoder.embed([rows.texts[i] for i in fresh], counters)
+        vectors = np.empty((len(rows.texts), self.encoder.dim), dtype=np.float32)
+        vectors[fresh] = encoded
+        if reuse.any():
+            vectors[reuse] = reused
+            counters.rows += int(reuse.sum())
+            counters.reused_rows = int(reuse.sum())
+        return vectors, {"content_hash": hashes}

@@ -79,6 +79,18 @@ def job_fingerprint(job, *, files: list[str], model_dir: Path) -> dict[str, Any]
     return body
 
 
+def vector_salt(fingerprint: dict[str, Any]) -> bytes:
+    """What maps a text to its vector: the model and its settings (not the inputs, not where output goes).
+
+    Incremental runs key reused vectors by a hash of this salt and the row's text.
+    """
+    settings = fingerprint["settings"]
+    output = {k: v for k, v in settings.get("output", {}).items() if k in ("dim", "dtype")}
+    body = json.dumps({"model": fingerprint["model"], "model_settings": settings.get("model", {}), "output": output},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).digest()
+
+
 class Manifest:
     """One per output path; the driver opens it, workers write unit records through it."""
 

@@ -36,5 +36,9 @@ class ParquetPartWriter:
     def path_for(self, unit_id: str) -> Path:
         return self.dir / f"part-{unit_id}.parquet"
 
-    def __call__(self, unit_id: str, ids: pa.Array, vectors: np.ndarray) -> str:
-        return str(write_table_atomic(vectors_table(ids, vectors), self.path_for(unit_id)))
+    def __call__(self, unit_id: str, ids: pa.Array, vectors: np.ndarray,
+                 extra: dict[str, pa.Array] | None = None) -> str:
+        table = vectors_table(ids, vectors)
+        for name, column in (extra or {}).items():  # e.g. content_hash of incremental runs
+            table = table.append_column(name, column)
+        return str(write_table_atomic(table, self.path_for(unit_id)))

@@ -18,6 +18,8 @@ class Counters:
     truncated_rows: int = 0
     skipped_rows: int = 0  # rows that got no vector (bad rows under on_bad_row: skip, duplicate ids)
     bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows, whatever the policy did with them
+    reused_rows: int = 0  # incremental: rows whose vector came from the previous version
+    previous_ids: int = 0  # incremental: rows whose id was in the previous version (changed or not)
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @contextmanager

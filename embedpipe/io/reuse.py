@@ -1,0 +1,57 @@
+"""Incremental runs: reuse the current version's vector for a row whose content is unchanged.
+
+Each row's content hash covers its text and everything else that decides its vector (the
+model fingerprint and the vector settings, prompt included: the ``salt``). It is stored with
+the vectors (column ``content_hash``), and a row of the next run whose id and hash match the
+previous version takes that vector instead of being encoded again.
+
+Lookup cost: per unit, one scan of the previous version's ``id`` and ``content_hash`` columns,
+then a read of only the part files that hold matches (usually the unit's own previous part).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+HASH_BYTES = 16
+
+
+def content_hashes(texts: list[str], *, salt: bytes) -> pa.Array:
+    """fixed_size_binary(16): blake2b of the vector settings' fingerprint and the row's text."""
+    digests = [hashlib.blake2b(t.encode(), digest_size=HASH_BYTES, key=salt[:64]).digest() for t in texts]
+    return pa.array(digests, pa.binary(HASH_BYTES))
+
+
+class PreviousVectors:
+    """The current version's vectors (a ``vectors/`` folder with ``content_hash``), looked up per unit."""
+
+    def __init__(self, vectors_dir: str | Path):
+        self.dataset = ds.dataset(str(vectors_dir), format="parquet")
+        if "content_hash" not in self.dataset.schema.names:
+            raise ValueError(f"{vectors_dir} has no content_hash column: it was not written by an incremental "
+                             f"run; run once more without output.incremental to start one")
+
+    def lookup(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
+        """(reuse mask [N], vectors of the reused rows in order [R, D], ids present before)."""
+        found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=pc.field("id").isin(ids))
+        previous = dict(zip(found["id"].to_pylist(), zip(found["content_hash"].to_pylist(),
+                                                         found["__filename"].to_pylist())))
+        wanted = [previous.get(i) for i in ids.to_pylist()]
+        reuse = np.array([w is not None and w[0] == h for w, h in zip(wanted, hashes.to_pylist())], dtype=bool)
+        if not reuse.any():
+            return reuse, np.zeros((0, 0), np.float32), len(previous)
+        reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
+        by_id: dict = {}
+        for file in sorted({wanted[k][1] for k in np.flatnonzero(reuse)}):
+            part = pq.read_table(file, columns=["id", "embedding"], filters=[("id", "in", reused_ids)])
+            flat = part["embedding"].combine_chunks()
+            rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
+            by_id.update(zip(part["id"].to_pylist(), rows))
+        return reuse, np.stack([by_id[i] for i in reused_ids]).astype(np.float32), len(previous)

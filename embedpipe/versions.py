@@ -1,0 +1,112 @@
+"""Versioned outputs for nightly reindexing: one folder per run, an atomic ``CURRENT`` pointer.
+
+    <output.path>/
+      CURRENT                       the run id of the version readers should use (one line)
+      versions/<run id>/            vectors/, index/, report.json, _manifest/ of one run
+      versions/<run id>/VALIDATED   written once the run finished and passed validation
+
+A run writes its own version folder; only after it finished and validated (every unit done,
+row counts add up, index recall reached when there is an index) is ``CURRENT`` replaced by an
+atomic rename. A killed or failed run leaves ``CURRENT`` where it was; rerunning the same job
+resumes the unfinished version. ``output.keep_versions`` prunes older validated versions and
+abandoned unfinished ones, never the current one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from embedpipe.config import JobSpec
+from embedpipe.io.manifest import MANIFEST, atomic_write
+
+CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
+
+
+class RunFailed(RuntimeError):
+    """The run finished but did not validate: CURRENT was left where it was."""
+
+
+def current_version(root: str | Path) -> str | None:
+    path = Path(root) / CURRENT
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+def current_path(root: str | Path) -> Path | None:
+    """The folder readers should use: the current version, or ``root`` itself when unversioned."""
+    root = Path(root)
+    version = current_version(root)
+    return root / VERSIONS / version if version else None
+
+
+def choose_version(root: Path, fingerprint: dict) -> str:
+    """Resume the newest unfinished version of this same job, else start a new run id."""
+    versions = root / VERSIONS
+    current = current_version(root)
+    unfinished = sorted((p for p in versions.iterdir() if p.is_dir() and p.name != current
+                         and not (p / VALIDATED).exists()), reverse=True) if versions.is_dir() else []
+    for folder in unfinished[:1]:
+        job_file = folder / MANIFEST / "job.json"
+        if job_file.is_file() and json.loads(job_file.read_text()).get("sha256") == fingerprint["sha256"]:
+            return folder.name
+    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    suffix, candidate = 0, run_id
+    while (versions / candidate).exists():
+        suffix += 1
+        candidate = f"{run_id}-{suffix}"
+    return candidate
+
+
+def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
+    """Every unit done, every input row accounted for and present, index recall reached."""
+    problems = []
+    if report["units"]["failed"]:
+        problems.append(f"{report['units']['failed']} units failed")
+    if report["rows"] + report["skipped_rows"] != expected_rows:
+        problems.append(f"{report['rows']} rows written + {report['skipped_rows']} skipped != {expected_rows} input rows")
+    written = sum(pq.ParquetFile(p).metadata.num_rows for p in (version_dir / "vectors").glob("part-*.parquet"))
+    if written != report["rows"]:
+        problems.append(f"the vector parts hold {written} rows, the report says {report['rows']}")
+    index = report.get("index") or {}
+    if index.get("target_reached") is False:
+        problems.append(f"the index reached recall@10 {index.get('recall_at_10')} below output.target_recall")
+    if problems:
+        raise RunFailed(f"{version_dir.name} did not validate ({'; '.join(problems)}): CURRENT still points at "
+                        f"the previous version; fix the cause and rerun the same command to resume")
+
+
+def promote(root: Path, version: str) -> None:
+    """Mark the version validated, then point CURRENT at it (one atomic rename)."""
+    atomic_write(root / VERSIONS / version / VALIDATED, b"")
+    atomic_write(root / CURRENT, f"{version}\n".encode())
+
+
+def prune(root: Path, *, keep: int | None) -> list[str]:
+    """Remove validated versions beyond the newest ``keep`` and unfinished ones older than CURRENT."""
+    if keep is None:
+        return []
+    current = current_version(root)
+    folders = sorted((p for p in (root / VERSIONS).iterdir() if p.is_dir()), reverse=True)
+    validated = [p for p in folders if (p / VALIDATED).exists()]
+    doomed = [p for p in validated[keep:] if p.name != current]
+    doomed += [p for p in folders if not (p / VALIDATED).exists() and current and p.name < current]
+    for folder in doomed:
+        shutil.rmtree(folder)
+    return sorted(p.name for p in doomed)
+
+
+def previous_vectors(root: Path, job: JobSpec) -> str | None:
+    """The current version's vectors for an incremental run (None on the first run)."""
+    folder = current_path(root)
+    return str(folder / "vectors") if job.output.incremental and folder is not None else None
+
+
+def previous_rows(root: Path) -> int:
+    folder = current_path(root)
+    if folder is None or not (folder / "report.json").is_file():
+        return 0
+    return int(json.loads((folder / "report.json").read_text())["rows"])
