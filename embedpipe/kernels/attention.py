@@ -121,11 +121,13 @@ def _sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale) -> Tensor:
     kw = dict(causal=causal, window=window, scale=scale)
     if q.is_cuda:
         return _sdpa_padded(q, k, v, cu, max_seqlen, **kw)
+    # Every band pads to its ceiling, whatever else is in the batch: a sequence then meets the
+    # same SDPA shape alone or packed with others, so its output is batch-invariant bit for bit.
     lens = cu[1:] - cu[:-1]  # [B]
     band = (lens - 1).clamp(min=0) // _BUCKET  # [B]
     bands = band.unique().tolist()
     if len(bands) == 1:
-        return _sdpa_padded(q, k, v, cu, max_seqlen, **kw)
+        return _sdpa_padded(q, k, v, cu, (bands[0] + 1) * _BUCKET, **kw)
     seq, _ = _segments(cu, q.shape[0])  # [T] sequence of each token
     out = torch.empty_like(q)
     for b in bands:
