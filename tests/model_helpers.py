@@ -32,9 +32,22 @@ def save_tiny_bert(path: Path, *, seed: int = 0, **overrides):
     return hf
 
 
-def random_sequences(lengths=LENGTHS, *, vocab: int = 100, seed: int = 0) -> list[Tensor]:
+def random_sequences(lengths=LENGTHS, *, vocab: int = 100, seed: int = 0, low: int = 1) -> list[Tensor]:
+    """Token ids in [low, vocab): `low` keeps special ids (e.g. RoBERTa's pad id 1) out of the text."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+    return [torch.randint(low, vocab, (n,), generator=g) for n in lengths]
+
+
+@torch.no_grad()
+def randomize_norms_(model, *, seed: int = 0):
+    """Norm weights / biases (every 1-D parameter) drawn away from their 1 / 0 init, so a norm
+    loaded into the wrong slot (q_norm vs k_norm, attn vs mlp) changes the output."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            base = 1.0 if name.endswith("weight") else 0.0
+            p.copy_(base + 0.5 * (torch.rand(p.shape, generator=g) - 0.5))
+    return model
 
 
 def pack(seqs: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -54,3 +67,40 @@ def hf_hidden(hf_model, seqs: list[Tensor]) -> list[Tensor]:
 def cosine(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise cosine similarity in fp64."""
     return F.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+REF_POOLS = {  # pooling mode -> the same pooling on one unpacked [L, hidden] reference sequence
+    "mean": lambda r: r.mean(0),
+    "cls": lambda r: r[0],
+    "last": lambda r: r[-1],
+}
+
+
+@torch.no_grad()
+def run_packed(model, seqs: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Our model on all `seqs` packed into one batch: hidden [T, hidden] (model dtype), cu_seqlens [B+1]."""
+    ids, pos, cu, max_len = pack(seqs)
+    return model(ids, pos, cu, max_len), cu
+
+
+def assert_matches_reference(hidden: Tensor, cu: Tensor, ref: list[Tensor], *, tol: float, modes=("mean",)) -> None:
+    """Every token's hidden state and every pooled vector within cosine `tol` of the reference."""
+    from embedpipe.models import pool
+
+    sims = cosine(hidden, torch.cat(ref))
+    assert sims.min().item() >= 1 - tol, f"token cosine {sims.min().item():.8f} < 1 - {tol}"
+    for mode in modes:
+        want = torch.stack([REF_POOLS[mode](r) for r in ref])  # [B, hidden]
+        got = pool(hidden, cu, mode=mode)  # [B, hidden] fp32
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        sims = cosine(got, want)
+        assert sims.min().item() >= 1 - tol, f"{mode} pooled cosine {sims.min().item():.8f} < 1 - {tol}"
+
+
+def assert_batch_invariant(model, target: Tensor, others: list[Tensor], *, atol: float = 1e-6) -> None:
+    """A sequence's states must not depend on what is packed around it."""
+    alone, _ = run_packed(model, [target])
+    k = len(others) // 2
+    packed, cu = run_packed(model, others[:k] + [target] + others[k:])
+    mine = packed[cu[k]: cu[k + 1]]
+    assert (alone.float() - mine.float()).abs().max().item() <= atol

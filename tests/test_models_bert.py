@@ -208,6 +208,7 @@ def test_loader_rejects_unknown_model_type(tiny, tmp_path):
 def test_plain_dir_head_defaults(tiny):
     lm = load_model(tiny[0], attention_backend="reference")
     assert lm.spec.pooling is None and not lm.spec.normalize and lm.dim == 32
+    assert lm.max_positions == lm.model.max_seq_len == 128  # max_position_embeddings, no offset
     head = lm.build_head()
     assert head.pooling == BertModel.default_pooling == "mean" and not head.normalize
     assert build_head(lm.spec, pooling="cls", normalize=True).pooling == "cls"

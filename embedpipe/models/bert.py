@@ -36,6 +36,11 @@ class BertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence the position table covers (RoBERTa loses its offset rows)."""
+        return self.max_positions - self.position_offset
+
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> BertConfig:
         kind = hf.get("position_embedding_type", "absolute")
@@ -159,6 +164,10 @@ class BertModel(nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         x = self.embed(input_ids, positions)  # [T, hidden]

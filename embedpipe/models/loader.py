@@ -35,6 +35,7 @@ class LoadedModel:
     path: Path
     hidden_size: int
     dim: int  # output dimension after the Dense layers
+    max_positions: int  # longest sequence the model's positions cover (model.max_seq_len), tokens
     device: str
     dtype: torch.dtype
 
@@ -45,7 +46,7 @@ class LoadedModel:
 
     def build_head(self, *, pooling: str = "auto", normalize: bool | str = "auto") -> EmbeddingHead:
         head = build_head(
-            self.spec, pooling=pooling, normalize=normalize, default_pooling=type(self.model).default_pooling
+            self.spec, pooling=pooling, normalize=normalize, default_pooling=self.model.default_pooling
         )
         return head.to(self.device)
 
@@ -172,5 +173,5 @@ def load_model(
         width = d.out_features
     return LoadedModel(
         model=model, spec=spec, config=config, path=root, hidden_size=model.hidden_size,
-        dim=dense_dim(spec, model.hidden_size), device=device, dtype=dtype,
+        dim=dense_dim(spec, model.hidden_size), max_positions=model.max_seq_len, device=device, dtype=dtype,
     )

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -57,7 +55,7 @@ class Encoder:
                                  attention_backend=settings.attention, allow_pickle=settings.allow_pickle)
         spec = self.loaded.spec
         self.head = self.loaded.build_head(pooling=settings.pooling, normalize=settings.normalize)
-        self.max_seq_len = settings.max_seq_len or spec.max_seq_len or _position_limit(self.model_dir)
+        self.max_seq_len = settings.max_seq_len or spec.max_seq_len or min(self.loaded.max_positions, 8192)
         if self.max_seq_len > settings.max_tokens:
             raise ValueError(f"model.max_seq_len={self.max_seq_len} exceeds batching.max_tokens="
                              f"{settings.max_tokens}: raise batching.max_tokens or lower model.max_seq_len")
@@ -92,8 +90,3 @@ class Encoder:
         counters.padded_tokens += int(tok.lengths.sum())  # packed: no padding on this path
         counters.truncated_rows += int(tok.truncated.sum())
         return out
-
-
-def _position_limit(model_dir: Path) -> int:
-    config = json.loads((model_dir / "config.json").read_text())
-    return int(min(config.get("max_position_embeddings", 512), 8192))
