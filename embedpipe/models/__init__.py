@@ -1,6 +1,6 @@
 """Packed encoders: registry by model_type, safetensors loader, pooling, sentence-transformers head."""
 
-from embedpipe.models import bert  # noqa: F401  (registers "bert")
+from embedpipe.models import bert, modernbert, qwen3, xlm_roberta  # noqa: F401  (register their model_types)
 from embedpipe.models.head import EmbeddingHead, build_head
 from embedpipe.models.loader import LoadedModel, load_model, load_state_dict_into, read_weights
 from embedpipe.models.pooling import POOLING_MODES, pool

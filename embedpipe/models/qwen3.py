@@ -1,0 +1,205 @@
+"""Qwen3 decoders as embedders (Qwen3-Embedding, pplx-embed...) on packed tokens, pure torch.
+
+    input_ids [T], positions [T] (0-based per sequence), cu_seqlens [B+1], max_seqlen -> hidden [T, hidden]
+
+Pre-RMSNorm: x = x + Attn(norm(x)); x = x + SwiGLU(norm(x)); a final RMSNorm. Attention:
+GQA (num_key_value_heads), per-head RMSNorm on q and k before RoPE, no biases by default.
+Causal as trained for generation (Qwen3-Embedding: last-token pooling), or bidirectional
+when config.json says so (pplx-embed: `use_bidirectional_attention: true`; also accepted:
+`is_causal: false`), then mean pooling by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from embedpipe.kernels import attention
+from embedpipe.models.layers import (
+    RMSNorm, activation, apply_rotary, attention_flops, matmul_params, rotary_cos_sin,
+)
+from embedpipe.models.registry import register
+
+# model_types whose checkpoints were trained bidirectionally whatever their flags say
+BIDIRECTIONAL_MODEL_TYPES: frozenset[str] = frozenset({"bidirectional_pplx_qwen3"})
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """transformers 5.x saves rope_parameters {"rope_type", "rope_theta"}; 4.x saved rope_theta (+ rope_scaling)."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"Qwen3 rope_type {kind!r} is not supported (only 'default' RoPE); see config.json rope_parameters")
+    return float(params.get("rope_theta", hf.get("rope_theta", 1_000_000.0)))
+
+
+def _causal(hf: dict[str, Any]) -> bool:
+    if hf.get("model_type") in BIDIRECTIONAL_MODEL_TYPES:
+        return False
+    return not (hf.get("use_bidirectional_attention") is True or hf.get("is_causal") is False)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # Qwen3 sets it explicitly: 0.6B has 16 heads x 128 = 2048 > hidden 1024
+    intermediate_size: int
+    max_positions: int = 32768  # trained context; RoPE itself has no table to run out of
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = False
+    hidden_act: str = "silu"  # key of models.layers.ACTIVATIONS, applied to the gate half
+    causal: bool = True  # False: every token sees its whole sequence (pplx-embed style)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_positions
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> Qwen3Config:
+        heads = hf["num_attention_heads"]
+        kv = hf.get("num_key_value_heads") or heads
+        if heads % kv:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+        if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
+            raise ValueError("Qwen3 sliding-window layers (use_sliding_window / layer_types) are not supported; "
+                             "set use_sliding_window: false if the checkpoint was trained with full attention")
+        act = hf.get("hidden_act", "silu")
+        activation(act)  # fail at load time, not mid-batch
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate_size=hf["intermediate_size"],
+            max_positions=hf.get("max_position_embeddings", 32768),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            attention_bias=hf.get("attention_bias", False),
+            hidden_act=act,
+            causal=_causal(hf),
+        )
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, backend: str) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.causal, self.backend = cfg.causal, backend
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, q_width + 2 * kv_width, bias=cfg.attention_bias)  # rows: q, k, v
+        self.out = nn.Linear(q_width, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        T, H, Hkv, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H*D], 2 x [T, Hkv*D]
+        q = apply_rotary(self.q_norm(q.view(T, H, D)), *rope)  # [T, H, D]
+        k = apply_rotary(self.k_norm(k.view(T, Hkv, D)), *rope)  # [T, Hkv, D]
+        o = attention(q, k, v.view(T, Hkv, D), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=self.causal,
+                      backend=self.backend)  # [T, H, D]
+        return self.out(o.reshape(T, H * D))  # [T, hidden]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # rows: gate, up
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
+        return self.down(self.act(gate) * up)  # [T, hidden]
+
+
+class Qwen3Layer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, backend: str) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attn = Qwen3Attention(cfg, backend)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen)  # [T, hidden]
+        return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
+
+
+@register("qwen3", *sorted(BIDIRECTIONAL_MODEL_TYPES))
+class Qwen3Model(nn.Module):
+    config_class: ClassVar[type] = Qwen3Config
+
+    STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("model.",)  # Qwen3ForCausalLM dumps; Qwen3Model has none
+    # checkpoint name -> ours (see BertModel.WEIGHT_MAP for the notation)
+    WEIGHT_MAP: ClassVar[dict[str, str | tuple[str, int] | None]] = {
+        "embed_tokens.weight": "embed.weight",
+        "layers.{}.input_layernorm.weight": "layers.{}.attn_norm.weight",
+        "layers.{}.self_attn.q_proj.weight": ("layers.{}.attn.qkv.weight", 0),
+        "layers.{}.self_attn.k_proj.weight": ("layers.{}.attn.qkv.weight", 1),
+        "layers.{}.self_attn.v_proj.weight": ("layers.{}.attn.qkv.weight", 2),
+        "layers.{}.self_attn.q_proj.bias": ("layers.{}.attn.qkv.bias", 0),
+        "layers.{}.self_attn.k_proj.bias": ("layers.{}.attn.qkv.bias", 1),
+        "layers.{}.self_attn.v_proj.bias": ("layers.{}.attn.qkv.bias", 2),
+        "layers.{}.self_attn.o_proj.weight": "layers.{}.attn.out.weight",
+        "layers.{}.self_attn.o_proj.bias": "layers.{}.attn.out.bias",
+        "layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.weight",
+        "layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.weight",
+        "layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.weight",
+        "layers.{}.mlp.gate_proj.weight": ("layers.{}.mlp.gate_up.weight", 0),
+        "layers.{}.mlp.up_proj.weight": ("layers.{}.mlp.gate_up.weight", 1),
+        "layers.{}.mlp.down_proj.weight": "layers.{}.mlp.down.weight",
+        "norm.weight": "norm.weight",
+        "lm_head.*": None,  # Qwen3ForCausalLM's vocabulary projection
+        "score.*": None,  # Qwen3ForSequenceClassification / reranker heads
+    }
+
+    def __init__(self, config: Qwen3Config, *, attention_backend: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.causal = config.causal
+        # when the directory has no Pooling module: only the last token has seen a causal sequence whole
+        self.default_pooling = "last" if config.causal else "mean"
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3Layer(config, attention_backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta)  # 2 x [T, 1, D/2]
+        x = self.embed(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
+        return self.norm(x)  # [T, hidden]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token for sequences of `seq_len` tokens.
+
+        2 * (weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer)
+        + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees seq_len / 2 keys on
+        average (the exact mean, (seq_len + 1) / 2, differs by half a token); bidirectional: seq_len.
+        Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
+        Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
+        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256 = 939.5 MFLOP/token.
+        """
+        c = self.config
+        context = seq_len / 2 if c.causal else seq_len
+        return 2.0 * matmul_params(self.layers) + attention_flops(
+            layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=context
+        )
