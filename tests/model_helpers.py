@@ -76,11 +76,41 @@ REF_POOLS = {  # pooling mode -> the same pooling on one unpacked [L, hidden] re
 }
 
 
+def backend_cases() -> list:
+    """(device, attention backend) pairs for model tests: every backend available on this machine;
+    the CUDA ones appear as one skipped case where there is no GPU."""
+    import pytest
+
+    from embedpipe.kernels import available_backends
+
+    cases = [pytest.param("cpu", b, id=f"cpu-{b}") for b in available_backends(device="cpu")]
+    if torch.cuda.is_available():
+        return cases + [pytest.param("cuda", b, id=f"cuda-{b}") for b in available_backends(device="cuda")]
+    return cases + [pytest.param("cuda", "auto", id="cuda", marks=pytest.mark.skip(reason="needs CUDA"))]
+
+
+def dtype_cases() -> list:
+    """(dtype, cosine tolerance vs the fp32 transformers reference)."""
+    import pytest
+
+    return [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1e-3, id="bf16"),
+            pytest.param(torch.float16, 1e-3, id="fp16")]
+
+
+def skip_unsupported(backend: str, dtype: torch.dtype) -> None:
+    import pytest
+
+    if backend in ("flash", "varlen") and dtype == torch.float32:
+        pytest.skip(f"{backend} kernels are half precision only")
+
+
 @torch.no_grad()
 def run_packed(model, seqs: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Our model on all `seqs` packed into one batch: hidden [T, hidden] (model dtype), cu_seqlens [B+1]."""
+    """Our model on all `seqs` packed into one batch on its device: hidden [T, hidden] (model dtype, on the
+    CPU), cu_seqlens [B+1]."""
+    dev = next(model.parameters()).device
     ids, pos, cu, max_len = pack(seqs)
-    return model(ids, pos, cu, max_len), cu
+    return model(ids.to(dev), pos.to(dev), cu.to(dev), max_len).cpu(), cu
 
 
 def assert_matches_reference(hidden: Tensor, cu: Tensor, ref: list[Tensor], *, tol: float, modes=("mean",)) -> None:

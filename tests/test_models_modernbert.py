@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embedpipe.kernels import available_backends
 from embedpipe.models import MODEL_REGISTRY, load_model, load_state_dict_into
 from embedpipe.models.modernbert import GLOBAL, LOCAL, ModernBertConfig, ModernBertModel
 from tests.model_helpers import (
-    LENGTHS, assert_batch_invariant, assert_matches_reference, hf_hidden, random_sequences, randomize_norms_,
-    run_packed,
+    LENGTHS, assert_batch_invariant, assert_matches_reference, backend_cases, dtype_cases, hf_hidden,
+    random_sequences, randomize_norms_, run_packed, skip_unsupported,
 )
 
-BACKENDS = available_backends(device="cpu")
 WINDOW = 8  # local_attention 16 -> keys with |i - j| <= 8; LENGTHS reach 64, far past it
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=48,
             local_attention=2 * WINDOW, global_attn_every_n_layers=2,  # layers: global, local, global
@@ -57,11 +55,12 @@ def test_config_reads_5x_and_legacy_fields(tiny):
         ModernBertConfig.from_hf_config({**saved, "rope_parameters": {GLOBAL: {"rope_type": "yarn"}}})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)], ids=["fp32", "bf16"])
-def test_matches_transformers(tiny, backend, dtype, tol):
+@pytest.mark.parametrize("device,backend", backend_cases())
+@pytest.mark.parametrize("dtype,tol", dtype_cases())
+def test_matches_transformers(tiny, device, backend, dtype, tol):
+    skip_unsupported(backend, dtype)
     path, _, seqs, ref = tiny
-    lm = load_model(path, dtype=dtype, attention_backend=backend)
+    lm = load_model(path, dtype=dtype, device=device, attention_backend=backend)
     assert [layer.attn.window for layer in lm.model.layers] == [None, WINDOW, None]
     hidden, cu = run_packed(lm.model, seqs)
     assert hidden.dtype == dtype

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from embedpipe.kernels import available_backends
 from embedpipe.models import MODEL_REGISTRY, load_model, load_state_dict_into
 from embedpipe.models.qwen3 import Qwen3Config, Qwen3Model
 from tests.model_helpers import (
-    LENGTHS, assert_batch_invariant, assert_matches_reference, random_sequences, randomize_norms_, run_packed,
+    LENGTHS, assert_batch_invariant, assert_matches_reference, backend_cases, dtype_cases, random_sequences,
+    randomize_norms_, run_packed, skip_unsupported,
 )
 
-BACKENDS = available_backends(device="cpu")
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16,  # heads * head_dim = 64 != hidden 32, as in Qwen3-0.6B (16 x 128 vs 1024)
             intermediate_size=64, max_position_embeddings=128, initializer_range=0.2,
@@ -71,11 +72,12 @@ def test_config_flags_and_rope():
         Qwen3Config.from_hf_config({**base, "use_sliding_window": True})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)], ids=["fp32", "bf16"])
-def test_matches_transformers(tiny, backend, dtype, tol):
+@pytest.mark.parametrize("device,backend", backend_cases())
+@pytest.mark.parametrize("dtype,tol", dtype_cases())
+def test_matches_transformers(tiny, device, backend, dtype, tol):
+    skip_unsupported(backend, dtype)
     path, _, seqs, ref, bidirectional = tiny
-    lm = load_model(path, dtype=dtype, attention_backend=backend)
+    lm = load_model(path, dtype=dtype, device=device, attention_backend=backend)
     assert lm.model.causal is not bidirectional and lm.max_positions == 128
     hidden, cu = run_packed(lm.model, seqs)
     assert hidden.dtype == dtype
@@ -126,8 +128,6 @@ def test_flops_per_token_qwen3_0_6b_hand_count():
     # causal: on average a query sees seq_len / 2 keys; QK^T and PV are 2 * keys * head_dim each, per head
     attn_512 = 4 * 28 * 16 * 128 * (512 / 2)
     assert model.flops_per_token(512) == 2 * 28 * per_layer + attn_512 == 939_524_096
-    bidirectional = Qwen3Model.__new__(Qwen3Model)  # same weights, full context
-    nn_init = Qwen3Config(**{**cfg.__dict__, "causal": False})
     with torch.device("meta"):
-        bidirectional = Qwen3Model(nn_init)
+        bidirectional = Qwen3Model(dataclasses.replace(cfg, causal=False))  # every query sees all 512 keys
     assert bidirectional.flops_per_token(512) == 2 * 28 * per_layer + 2 * attn_512

@@ -7,15 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from embedpipe.kernels import available_backends
 from embedpipe.models import MODEL_REGISTRY, load_model, load_state_dict_into
 from embedpipe.models.xlm_roberta import XLMRobertaConfig, XLMRobertaModel
 from tests.model_helpers import (
-    LENGTHS, assert_batch_invariant, assert_matches_reference, hf_hidden, random_sequences, randomize_norms_,
-    run_packed,
+    LENGTHS, assert_batch_invariant, assert_matches_reference, backend_cases, dtype_cases, hf_hidden,
+    random_sequences, randomize_norms_, run_packed, skip_unsupported,
 )
 
-BACKENDS = available_backends(device="cpu")
 PAD = 1  # transformers' RobertaConfig default; positions start at PAD + 1
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=66, pad_token_id=PAD, type_vocab_size=1, layer_norm_eps=1e-5,
@@ -46,11 +44,12 @@ def test_registry():
     assert MODEL_REGISTRY["xlm-roberta"] is MODEL_REGISTRY["roberta"] is XLMRobertaModel
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-3)], ids=["fp32", "bf16"])
-def test_matches_transformers(tiny, backend, dtype, tol):
+@pytest.mark.parametrize("device,backend", backend_cases())
+@pytest.mark.parametrize("dtype,tol", dtype_cases())
+def test_matches_transformers(tiny, device, backend, dtype, tol):
+    skip_unsupported(backend, dtype)
     path, _, seqs, ref = tiny
-    lm = load_model(path, dtype=dtype, attention_backend=backend)
+    lm = load_model(path, dtype=dtype, device=device, attention_backend=backend)
     assert lm.config.position_offset == PAD + 1 and lm.max_positions == 64 == max(LENGTHS)
     hidden, cu = run_packed(lm.model, seqs)
     assert hidden.dtype == dtype
