@@ -94,6 +94,10 @@ class ModernBertConfig:
         )
 
 
+def _norm(cfg: ModernBertConfig) -> LayerNorm:
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+
+
 class ModernBertAttention(nn.Module):
     def __init__(self, cfg: ModernBertConfig, backend: str, window: int | None) -> None:
         super().__init__()
@@ -126,10 +130,9 @@ class ModernBertLayer(nn.Module):
     def __init__(self, cfg: ModernBertConfig, index: int, backend: str) -> None:
         super().__init__()
         self.layer_type = cfg.layer_types[index]
-        norm = lambda: LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)  # noqa: E731
-        self.attn_norm = nn.Identity() if index == 0 else norm()  # layer 0: the embedding LN comes just before
+        self.attn_norm = nn.Identity() if index == 0 else _norm(cfg)  # layer 0: the embedding LN comes just before
         self.attn = ModernBertAttention(cfg, backend, cfg.local_window if self.layer_type == LOCAL else None)
-        self.mlp_norm = norm()
+        self.mlp_norm = _norm(cfg)
         self.mlp = GeGLU(cfg)
 
     def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
@@ -141,7 +144,7 @@ class ModernBertEmbeddings(nn.Module):
     def __init__(self, cfg: ModernBertConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.norm = LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.norm_bias)
+        self.norm = _norm(cfg)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.norm(self.tok(input_ids))  # [T, hidden]; positions enter through RoPE
@@ -183,7 +186,7 @@ class ModernBertModel(nn.Module):
         self.default_pooling = config.pooling  # when the directory has no Pooling module
         self.embed = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i, attention_backend) for i in range(config.num_layers))
-        self.norm = LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+        self.norm = _norm(config)
 
     @property
     def hidden_size(self) -> int:
