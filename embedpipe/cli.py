@@ -49,7 +49,7 @@ def run(job_file: JobFile, set_: SetOpt = None,
     from embedpipe.io.lock import OutputBusy
     from embedpipe.io.manifest import ManifestMismatch
     from embedpipe.preflight import ModelError
-    from embedpipe.report.report import render_summary
+    from embedpipe.report.render import render_table
     from embedpipe.units import InputError
     from embedpipe.versions import RunFailed
 
@@ -65,10 +65,11 @@ def run(job_file: JobFile, set_: SetOpt = None,
         raise _fail(exc, EXIT_BUSY) from None
     except (RuntimeError, ConnectionError, OSError) as exc:  # the cluster, the disk: the run could not finish
         raise _fail(exc, EXIT_RUN_FAILED) from None
-    typer.echo(render_summary(result.report))
+    typer.echo(render_table(result.report))
     if "version" in result.report:
         typer.echo(f"CURRENT -> {result.report['version']['run_id']}")
-    typer.echo(f"vectors: {result.vectors_path}\nreport: {result.output_path / 'report.json'}")
+    out = result.output_path
+    typer.echo(f"vectors: {result.vectors_path}\nreport: {out / 'report.json'}, {out / 'report.md'}, {out / 'report.png'}")
 
 
 @app.command()
@@ -86,6 +87,34 @@ def validate(job_file: JobFile, set_: SetOpt = None) -> None:
         raise _fail(exc, EXIT_BAD_INPUT) from None
     rows = sum(u.num_rows for u in plan.units)
     typer.echo(f"ok: {job.name}: {len(plan.units)} units, {rows:,} rows; model {plan.model_dir}")
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="Output folder of a finished run; two folders: compare them.",
+                                              show_default=False)],
+    project_rows: Annotated[Optional[float], typer.Option(
+        help="Also show what a corpus of this many rows would take and cost at the run's rates (e.g. 1e9).",
+        show_default=False)] = None,
+) -> None:
+    """Re-render a finished run's report (table, report.md, report.png), or compare two runs side by side."""
+    from embedpipe.report.render import load_report, render_comparison, render_table
+
+    if len(runs) > 2:
+        raise _fail(ValueError("report takes one output folder, or two to compare"), EXIT_BAD_JOB)
+    try:
+        reports = [load_report(run) for run in runs]
+    except (OSError, ValueError) as exc:
+        raise _fail(exc, EXIT_BAD_JOB) from None
+    if len(reports) == 2:
+        typer.echo(render_comparison(reports, [f"A: {runs[0]}", f"B: {runs[1]}"], project_rows=project_rows))
+        return
+    from embedpipe.report.outputs import write_renderings
+
+    folder = runs[0].parent if runs[0].suffix == ".json" else runs[0]
+    paths = write_renderings(folder, reports[0], project_rows=project_rows)
+    typer.echo(render_table(reports[0], project_rows=project_rows))
+    typer.echo(f"report: {paths['markdown']}, {paths['plot']}")
 
 
 def main() -> None:  # pragma: no cover - console entry

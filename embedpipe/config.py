@@ -1,7 +1,7 @@
 """The job schema: one typed section per component, validated once at load.
 
 A job file is YAML with one mapping per section (``input``, ``model``, ``batching``,
-``output``, ``cluster``, ``runtime``). Every option and its default lives here, and
+``output``, ``cluster``, ``runtime``, ``cost``). Every option and its default lives here, and
 ``docs/job-reference.md`` is generated from these dataclasses (``python -m embedpipe.config``),
 so the docs cannot drift from the code.
 
@@ -139,6 +139,46 @@ class RuntimeConfig:
         "auto", "Attention backend; auto: flash-attn or torch varlen on GPU, SDPA on CPU.")
 
 
+GpuPreset = Literal["auto", "H100", "H200", "B200", "A100", "L4", "cpu"]
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """What a device-hour costs; the report turns it into total cost and cost per million tokens and rows.
+
+    Price per device-hour, first match wins: gpu_hour_usd; instance_hour_usd / gpus_per_instance;
+    the preset's list price (embedpipe/report/cost.py). CPU workers cost cpu_hour_usd x their threads.
+    """
+
+    preset: GpuPreset = opt("auto", "Price table row: auto picks it from the detected device (a GPU not in the table "
+                                    "and without gpu_hour_usd is reported with cost unknown, never guessed).")
+    gpu_hour_usd: float | None = opt(None, "USD per GPU-hour; overrides the preset's on-demand list price.")
+    instance_hour_usd: float | None = opt(None, "USD per instance-hour; with gpus_per_instance gives the GPU-hour price.")
+    gpus_per_instance: int | None = opt(None, "GPUs in one instance priced by instance_hour_usd.")
+    cpu_hour_usd: float | None = opt(None, "USD per vCPU-hour for CPU workers (a worker costs this x its threads); "
+                                           "null: the cpu preset's default.")
+    spot: bool = opt(False, "Spot / preemptible capacity: multiply the price by (1 - spot_discount).")
+    spot_discount: float = opt(0.6, "Fraction taken off the on-demand price when spot is true.")
+
+    def validate(self) -> None:
+        for name in ("gpu_hour_usd", "instance_hour_usd", "cpu_hour_usd"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise JobError(f"cost.{name}", f"{value!r} is negative", f"set cost.{name} to a price >= 0 or null")
+        if (self.instance_hour_usd is None) != (self.gpus_per_instance is None):
+            missing = "gpus_per_instance" if self.gpus_per_instance is None else "instance_hour_usd"
+            raise JobError(f"cost.{missing}", "is needed with the other instance field",
+                           "set both cost.instance_hour_usd and cost.gpus_per_instance, or neither")
+        if self.gpus_per_instance is not None:
+            _positive(self, "cost", "gpus_per_instance")
+        if self.gpu_hour_usd is not None and self.instance_hour_usd is not None:
+            raise JobError("cost.instance_hour_usd", "is set together with cost.gpu_hour_usd",
+                           "price by GPU-hour or by instance-hour, not both")
+        if not 0.0 <= self.spot_discount < 1.0:
+            raise JobError("cost.spot_discount", f"{self.spot_discount!r} is not in [0, 1)",
+                           "set cost.spot_discount to the fraction taken off, e.g. 0.6")
+
+
 SECTIONS: dict[str, type] = {
     "input": InputConfig,
     "model": ModelConfig,
@@ -146,6 +186,7 @@ SECTIONS: dict[str, type] = {
     "output": OutputConfig,
     "cluster": ClusterConfig,
     "runtime": RuntimeConfig,
+    "cost": CostConfig,
 }
 
 
@@ -159,6 +200,7 @@ class JobSpec:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     name: str = "job"
 
     def to_dict(self) -> dict[str, Any]:

@@ -28,6 +28,10 @@ from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.writer import write_table_atomic
 from embedpipe.preflight import Plan, preflight
 from embedpipe.report.counters import Counters
+from embedpipe.report.device import DeviceInfo
+from embedpipe.report.flops import read_model_config
+from embedpipe.report.metrics import UnitSpan, extend_report, run_metrics
+from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import build_report, write_report
 
 log = logging.getLogger(__name__)
@@ -69,12 +73,13 @@ def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool)
     versions.promote(root, version)
     result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
     write_report(result.output_path, result.report)
+    write_renderings(result.output_path, result.report)
     return result
 
 
 def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
               previous_rows: int = 0) -> RunResult:
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
@@ -87,6 +92,8 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         log.warning("resuming %s: %d of %d units already done", output, len(done), len(plan.units))
 
     this_run, per_worker, peaks = Counters(), [], {}
+    spans: list[UnitSpan] = []
+    devices: dict[int, DeviceInfo] = {}  # slot -> the device its worker measured
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
     if todo:
         started_ray = connect(job.cluster)
@@ -107,6 +114,8 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                     this_run.merge(counters)
                     per_worker[result.worker].merge(counters)
                     peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
+                    spans.append(UnitSpan(result.worker, result.started, result.finished, counters))
+                    devices[result.worker] = DeviceInfo.from_dict(result.device)
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
@@ -119,8 +128,9 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         if record["unit_id"] in unit_ids:
             total.merge(Counters.from_dict(record["counters"]))
     _merge_skipped(manifest, output)
+    wall_seconds = time.perf_counter() - started
     report = build_report(
-        total, this_run=this_run, wall_seconds=time.perf_counter() - started, workers=len(per_worker),
+        total, this_run=this_run, wall_seconds=wall_seconds, workers=len(per_worker),
         units={"total": len(plan.units), "skipped_as_done": len(done), "encoded": len(todo) - len(scheduler.failed),
                "retried": scheduler.retried, "failed": len(scheduler.failed),
                "failed_units": [f.to_dict() for f in scheduler.failed]},
@@ -130,8 +140,31 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
     if incremental is not None:
         report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
+    report = extend_report(report, {"job": job.name, **run_metrics(
+        total=this_run, spans=spans, devices=_slot_devices(devices, len(per_worker)),
+        started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=_model_config(job),
+        cost=job.cost)})
     write_report(output, report)
+    write_renderings(output, report)
     return RunResult(output_path=output, report=report)
+
+
+def _slot_devices(found: dict[int, DeviceInfo], slots: int) -> list[DeviceInfo]:
+    """One device per worker slot. A slot that finished no unit never reported its device; it held one
+    all the same, so it is counted (and priced) as the same kind as the others (workers are uniform)."""
+    if not found:
+        return []
+    fallback = found[min(found)]
+    return [found.get(slot, fallback) for slot in range(slots)]
+
+
+def _model_config(job: JobSpec) -> dict | None:
+    """config.json of the job's model, for FLOPs per token; None (MFU unknown) when unreadable here."""
+    try:
+        return read_model_config(job.model.path)
+    except (OSError, ValueError) as exc:
+        log.warning("model FLOPs unknown, MFU not reported: %s", exc)
+        return None
 
 
 def _merge_skipped(manifest: Manifest, output: Path) -> None:

@@ -10,7 +10,8 @@ import logging
 import os
 import resource
 import socket
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from embedpipe.config import JobSpec
 from embedpipe.units import Unit
@@ -30,6 +31,9 @@ class UnitResult:
     worker: int
     counters: dict  # Counters.to_dict()
     peak_rss_mb: float  # this worker process's peak resident memory so far
+    started: float = 0.0  # time.time() when the worker took the unit (the report's per-worker timeline)
+    finished: float = 0.0  # time.time() when its part was recorded
+    device: dict = field(default_factory=dict)  # DeviceInfo.to_dict(): the device and its measured peak
 
 
 class EmbedWorker:
@@ -54,6 +58,10 @@ class EmbedWorker:
             from embedpipe.io.reuse import PreviousVectors
 
             self.previous = PreviousVectors(incremental.previous)
+        from embedpipe.report.device import describe_device
+
+        # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
+        self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,)).to_dict()
 
     def info(self) -> dict:
         return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
@@ -63,6 +71,7 @@ class EmbedWorker:
         from embedpipe.io.writer import write_table_atomic
         from embedpipe.report.counters import Counters
 
+        started = time.time()
         counters = Counters()
         with counters.time("read"):
             rows = self.reader(unit)
@@ -79,7 +88,8 @@ class EmbedWorker:
             self.manifest.record(unit.id, parts=[part], file=unit.file, row_groups=list(unit.row_groups),
                                  counters=counters.to_dict())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1))
+        return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
+                          started=started, finished=time.time(), device=self.device)
 
     def _embed_incremental(self, rows, counters):
         """Encode only rows whose content changed; take the others' vectors from the previous version."""

@@ -20,6 +20,7 @@ class Counters:
     bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows, whatever the policy did with them
     reused_rows: int = 0  # incremental: rows whose vector came from the previous version
     previous_ids: int = 0  # incremental: rows whose id was in the previous version (changed or not)
+    tokens_squared: int = 0  # sum over rows of length^2: the attention term of model FLOPs (report/flops.py)
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @contextmanager

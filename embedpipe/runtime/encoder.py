@@ -89,4 +89,5 @@ class Encoder:
         counters.tokens += int(tok.lengths.sum())
         counters.padded_tokens += int(tok.lengths.sum())  # packed: no padding on this path
         counters.truncated_rows += int(tok.truncated.sum())
+        counters.tokens_squared += int((tok.lengths.astype(np.int64) ** 2).sum())
         return out

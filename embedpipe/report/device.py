@@ -1,0 +1,129 @@
+"""What a worker runs on, and how fast that device can multiply: the denominator of MFU.
+
+``describe_device`` names the device (GPU name, or CPU model and threads) and measures its peak
+rate with a short square-matmul probe. The probe runs once per machine: its result is cached in
+``~/.cache/embedpipe/peak_flops.json`` (``EMBEDPIPE_CACHE_DIR`` moves it), keyed by host, device,
+threads, dtype and torch version, under a file lock so that workers starting together on one host
+measure once instead of slowing each other down. Delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+# square matmul sizes probed and the seconds of timed repeats per size: the fastest repeat wins
+PROBE_SIZES: dict[str, tuple[int, ...]] = {"cpu": (512, 1024), "cuda": (4096, 8192)}
+PROBE_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: Literal["cpu", "cuda"]
+    name: str  # "NVIDIA H100 80GB HBM3", or the CPU model
+    count: int = 1  # priced devices this worker holds: its GPUs, or 1 CPU slot
+    threads: int = 1  # torch intra-op threads of the worker
+    host: str = ""
+    peak_flops: dict[str, float] = field(default_factory=dict)  # dtype -> measured FLOP/s of this worker's devices
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DeviceInfo":
+        return cls(**{**data, "peak_flops": dict(data.get("peak_flops", {}))})
+
+
+def cpu_model() -> str:
+    """The CPU model name as /proc/cpuinfo spells it (falls back to platform.processor())."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), probe: bool = True) -> DeviceInfo:
+    """Name this process's device ("cpu" or "cuda") and its measured peak FLOP/s per dtype."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device == "cuda":
+        name, count = torch.cuda.get_device_name(torch.cuda.current_device()), 1
+    else:
+        name, count = cpu_model(), 1
+    info = DeviceInfo(kind="cuda" if device == "cuda" else "cpu", name=name, count=count,
+                      threads=threads, host=socket.gethostname())
+    if not probe:
+        return info
+    peaks = {dtype: cached_peak(info, dtype) for dtype in dict.fromkeys(("float32", *dtypes))}
+    return DeviceInfo(**{**asdict(info), "peak_flops": peaks})
+
+
+def cache_path() -> Path:
+    root = os.environ.get("EMBEDPIPE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedpipe"
+    return Path(root) / "peak_flops.json"
+
+
+def cached_peak(info: DeviceInfo, dtype: str) -> float:
+    """The cached peak for this device and dtype, measured (under a lock) when missing."""
+    import fcntl
+
+    import torch
+
+    key = f"{info.host}|{info.kind}|{info.name}|threads={info.threads}|{dtype}|torch={torch.__version__}"
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one probe per host at a time; the others then read the cache
+        table = _read(path)
+        if key not in table:
+            table[key] = max(measure_peak_flops(info.kind, dtype, size=n) for n in PROBE_SIZES[info.kind])
+            log.info("peak %s %s: %.3g FLOP/s (cached in %s)", info.name, dtype, table[key], path)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+    return float(table[key])
+
+
+def measure_peak_flops(kind: str, dtype: str, *, size: int, seconds: float = PROBE_SECONDS) -> float:
+    """FLOP/s of the fastest of a few size x size matmuls (2 n^3 FLOPs each) on this process's device."""
+    import torch
+
+    n = size
+    dev = "cuda" if kind == "cuda" else "cpu"
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dt, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=dt, generator=g)
+    sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        torch.mm(a, b)  # warm-up: kernel selection, page faults
+        sync()
+        best, deadline = float("inf"), time.perf_counter() + seconds
+        for _ in range(200):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            best = min(best, time.perf_counter() - start)
+            if time.perf_counter() > deadline:
+                break
+    return 2.0 * n**3 / best
+
+
+def _read(path: Path) -> dict[str, float]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}

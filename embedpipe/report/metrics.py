@@ -1,0 +1,135 @@
+"""The run's derived numbers: per-worker throughput and timelines, busy and scaling fractions, MFU, cost.
+
+Definitions (all in report.json, rendered by report/render.py):
+- a worker's ``seconds``: the sum of its units' wall times (from taking a unit to writing its part);
+  its rows/s and tokens/s are measured over those seconds.
+- ``busy_fraction``: device-busy seconds / worker seconds. On GPU, busy seconds come from a
+  ``device_busy`` stage (CUDA events) when the runtime records one; otherwise, and always on CPU
+  where the encoder computes synchronously, they are the ``encode`` stage's wall seconds.
+- ``scaling_efficiency``: run tokens/s / (workers x one worker's tokens/s while processing), which is
+  worker-seconds spent on units / (workers x wall seconds): what start-up, scheduling gaps and idle
+  tails cost. Contention between workers on shared hardware is not in it; compare against a
+  one-worker run for that (``embedpipe report ONE_WORKER_RUN N_WORKER_RUN``).
+- ``mfu``: flops_per_token x tokens / wall seconds / the summed measured peak of all devices, in the
+  model's dtype; ``encode_mfu`` divides by encode seconds instead, i.e. how close the encoder ran to
+  the hardware while it ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from embedpipe.config import CostConfig
+from embedpipe.report.cost import cost_section, price_for
+from embedpipe.report.counters import Counters
+from embedpipe.report.device import DeviceInfo
+from embedpipe.report.flops import effective_seq_len, flops_per_token_from_config, is_causal
+
+TIMELINE_FIELDS = ("start", "end", "rows", "tokens")  # seconds since the run started, counts
+
+
+@dataclass(frozen=True)
+class UnitSpan:
+    """One finished unit as the report sees it: which worker, when (time.time()), what it counted."""
+
+    worker: int
+    started: float
+    finished: float
+    counters: Counters
+
+
+def busy_seconds(stages: dict[str, float]) -> float:
+    return stages.get("device_busy", stages.get("encode", 0.0))
+
+
+def run_metrics(*, total: Counters, spans: list[UnitSpan], devices: list[DeviceInfo], started_at: float,
+                wall_seconds: float, dtype: str, model_config: dict | None, cost: CostConfig) -> dict:
+    """The report sections computed from the units' spans, the workers' devices and the model config."""
+    wall = max(wall_seconds, 1e-9)
+    fpt, flops = _flops(total, model_config)
+    workers = [_worker(i, [s for s in spans if s.worker == i], dev, started_at=started_at, dtype=dtype, fpt=fpt)
+               for i, dev in enumerate(devices)]
+    worker_seconds = sum(w["seconds"] for w in workers)
+    peak_total = sum(d.peak_flops.get(dtype, 0.0) for d in devices) or None
+    encode_peak = sum(s.counters.stages.get("encode", 0.0) * devices[s.worker].peak_flops.get(dtype, 0.0)
+                      for s in spans if s.worker < len(devices))
+    prices = [price_for(d, cost) for d in devices for _ in range(d.count)]
+    return {
+        "padding_efficiency": round(total.tokens / total.padded_tokens, 4) if total.padded_tokens else None,
+        "skipped_rows": 0,
+        "startup_seconds": round(min(s.started for s in spans) - started_at, 3) if spans else None,
+        "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
+        "busy_source": "device_busy" if "device_busy" in total.stages else "encode",
+        "scaling_efficiency": _ratio(worker_seconds, len(devices) * wall),
+        "flops_per_token": fpt,
+        "flops": flops,
+        "mfu": _ratio(fpt * total.tokens / wall, peak_total) if fpt is not None and peak_total else None,
+        "encode_mfu": _ratio(fpt * total.tokens, encode_peak) if fpt is not None and encode_peak else None,
+        "device": _device_section(devices, dtype),
+        "cost": cost_section(prices=prices, wall_seconds=wall_seconds, tokens=total.tokens, rows=total.rows),
+        "per_worker": workers,
+    }
+
+
+def extend_report(report: dict, sections: dict) -> dict:
+    """Add sections without overwriting keys the base report (or other stages) already set."""
+    return {**report, **{k: v for k, v in sections.items() if k not in report}}
+
+
+def _flops(total: Counters, model_config: dict | None) -> tuple[float | None, dict | None]:
+    if model_config is None or not total.tokens:
+        return None, None
+    seq = effective_seq_len(tokens=total.tokens, tokens_squared=total.tokens_squared)
+    try:
+        fpt = flops_per_token_from_config(model_config, seq)
+    except (ValueError, KeyError):
+        return None, {"model_type": model_config.get("model_type"), "error": "no FLOPs count for this model"}
+    return fpt, {"model_type": model_config.get("model_type"), "causal": is_causal(model_config),
+                 "seq_len": round(seq, 3), "total": fpt * total.tokens}
+
+
+def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at: float, dtype: str,
+            fpt: float | None) -> dict:
+    c = Counters()
+    for s in spans:
+        c.merge(s.counters)
+    seconds = sum(s.finished - s.started for s in spans)
+    peak = device.peak_flops.get(dtype)
+    return {
+        "worker": index,
+        "host": device.host,
+        "device": device.name,
+        "units": len(spans),
+        "rows": c.rows,
+        "tokens": c.tokens,
+        "seconds": round(seconds, 3),
+        "rows_per_second": round(c.rows / seconds, 2) if seconds > 0 else 0.0,
+        "tokens_per_second": round(c.tokens / seconds, 2) if seconds > 0 else 0.0,
+        "busy_fraction": _ratio(busy_seconds(c.stages), seconds),
+        "mfu": _ratio(fpt * c.tokens / seconds, peak) if fpt is not None and peak and seconds > 0 else None,
+        "stages": {k: round(v, 3) for k, v in c.stages.items()},
+        "timeline": [[round(s.started - started_at, 3), round(s.finished - started_at, 3),
+                      s.counters.rows, s.counters.tokens] for s in sorted(spans, key=lambda s: s.started)],
+    }
+
+
+def _device_section(devices: list[DeviceInfo], dtype: str) -> dict:
+    if not devices:
+        return {"kind": None, "name": None, "count": 0, "threads": None, "dtype": dtype, "peak_flops": None,
+                "peak_flops_total": None}
+    count = sum(d.count for d in devices)
+    total = sum(d.peak_flops.get(dtype, 0.0) for d in devices)
+    return {
+        "kind": devices[0].kind if len({d.kind for d in devices}) == 1 else "mixed",
+        "name": " + ".join(dict.fromkeys(d.name for d in devices)),
+        "count": count,  # GPUs, or CPU workers
+        "threads": max(d.threads for d in devices),  # per worker
+        "hosts": len({d.host for d in devices}),
+        "dtype": dtype,
+        "peak_flops": total / count if total else None,  # per device, measured
+        "peak_flops_total": total or None,
+    }
+
+
+def _ratio(num: float, den: float | None) -> float | None:
+    return round(num / den, 6) if den else None

@@ -1,0 +1,62 @@
+"""report.png: tokens/s over time, one line per worker, and worker-seconds by stage.
+
+A worker's line steps up to the unit's tokens / unit wall time while it processes a unit and
+drops to zero in the gaps between units (waiting for the driver, start-up, the idle tail).
+Matplotlib is imported here only, through its object API (no pyplot state, no display needed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from embedpipe.report.render import fmt, f_pct, f_usd, stage_names
+
+
+def worker_line(timeline: list[list[float]]) -> tuple[list[float], list[float]]:
+    """(x seconds, y tokens/s) of one worker's step line from its [start, end, rows, tokens] spans."""
+    xs: list[float] = [0.0]
+    ys: list[float] = [0.0]
+    for start, end, _rows, tokens in timeline:
+        rate = tokens / (end - start) if end > start else 0.0
+        xs += [start, start, end, end]
+        ys += [0.0, rate, rate, 0.0]
+    return xs, ys
+
+
+def build_figure(report: dict):
+    """The figure: axes[0] the per-worker tokens/s lines, axes[1] the stage breakdown."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    timeline, stages = fig.subplots(1, 2, width_ratios=[2, 1])
+    for w in report.get("per_worker", []):
+        xs, ys = worker_line(w.get("timeline", []))
+        timeline.plot(xs, ys, label=f"worker {w['worker']}", linewidth=1.2)
+    timeline.set(xlabel="seconds since start", ylabel="tokens/s", title="tokens/s per worker")
+    timeline.set_xlim(0, max(report.get("wall_seconds", 0.0), 1e-3))
+    timeline.grid(alpha=0.3)
+    if report.get("per_worker"):
+        timeline.legend(loc="best", fontsize="small")
+
+    names = stage_names(report)
+    seconds = [report["stages"][s] for s in names]
+    stages.barh(names, seconds, color="tab:blue")
+    stages.invert_yaxis()
+    stages.set(xlabel="worker-seconds", title="time by stage")
+    total = sum(seconds) or 1.0
+    for y, s in enumerate(seconds):
+        stages.annotate(f"{100 * s / total:.0f}%", (s, y), xytext=(3, 0), textcoords="offset points", va="center",
+                        fontsize="small")
+    cost = (report.get("cost") or {}).get("total_usd")
+    fig.suptitle(f"{report.get('job', 'run')}: {report.get('rows', 0):,} rows, "
+                 f"{report.get('tokens_per_second', 0):,.0f} tokens/s, MFU {fmt(report.get('mfu'), f_pct)}, "
+                 f"cost {fmt(cost, f_usd)}")
+    return fig
+
+
+def write_plot(report: dict, path: str | Path) -> Path:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    build_figure(report).savefig(tmp, format="png", dpi=100)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,48 @@
+"""Device description and the cached peak-FLOP/s probe."""
+
+import json
+
+import pytest
+import torch
+
+from embedpipe.report import device as device_mod
+from embedpipe.report.device import DeviceInfo, describe_device, measure_peak_flops
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_cpu_probe_measures_once_then_reads_the_cache(cache_dir, monkeypatch):
+    info = describe_device("cpu", dtypes=("float32",))
+    assert info.kind == "cpu" and info.name and info.threads == torch.get_num_threads() and info.count == 1
+    peak = info.peak_flops["float32"]
+    assert 1e8 < peak < 1e14  # a CPU multiplies at 0.1 GFLOP/s .. 100 TFLOP/s
+    cached = json.loads((cache_dir / "peak_flops.json").read_text())
+    assert list(cached.values()) == [peak] and f"threads={info.threads}|float32" in next(iter(cached))
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the probe ran again despite the cache")
+
+    monkeypatch.setattr(device_mod, "measure_peak_flops", no_probe)
+    assert describe_device("cpu", dtypes=("float32",)).peak_flops == {"float32": peak}
+
+
+def test_model_dtype_is_probed_too(cache_dir, monkeypatch):
+    monkeypatch.setattr(device_mod, "measure_peak_flops", lambda kind, dtype, size: {"float32": 1e9, "bfloat16": 3e9}[dtype] * size / 1024)
+    info = describe_device("cpu", dtypes=("bfloat16",))
+    assert info.peak_flops == {"float32": 1e9, "bfloat16": 3e9}  # the best of the probed sizes
+
+
+def test_probe_counts_two_n_cubed_flops(monkeypatch):
+    clock = iter(range(0, 10_000))  # every perf_counter call advances one second
+    monkeypatch.setattr(device_mod.time, "perf_counter", lambda: float(next(clock)))
+    assert measure_peak_flops("cpu", "float32", size=64, seconds=0.0) == 2 * 64**3  # one 1-second matmul
+
+
+def test_device_info_round_trips_through_a_dict():
+    info = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", count=1, threads=2, host="n0",
+                      peak_flops={"bfloat16": 7e14})
+    assert DeviceInfo.from_dict(info.to_dict()) == info

@@ -1,0 +1,79 @@
+"""Derived run numbers from synthetic unit spans, checked by hand."""
+
+import pytest
+
+from embedpipe.config import CostConfig
+from embedpipe.report.counters import Counters
+from embedpipe.report.device import DeviceInfo
+from embedpipe.report.metrics import UnitSpan, extend_report, run_metrics
+
+TINY_BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128}
+CPU = DeviceInfo(kind="cpu", name="Test CPU", count=1, threads=2, host="h", peak_flops={"float32": 1e10})
+
+
+def _span(worker, start, end, rows, tokens, encode, **stages):
+    c = Counters(rows=rows, tokens=tokens, padded_tokens=tokens, tokens_squared=tokens * 40,  # every row 40 tokens
+                 stages={"read": 0.1, "encode": encode, **stages})
+    return UnitSpan(worker, 1000.0 + start, 1000.0 + end, c)
+
+
+def _metrics(spans, **over):
+    total = Counters()
+    for s in spans:
+        total.merge(s.counters)
+    kwargs = dict(total=total, spans=spans, devices=[CPU, CPU], started_at=1000.0, wall_seconds=10.0,
+                  dtype="float32", model_config=TINY_BERT, cost=CostConfig(cpu_hour_usd=0.1))
+    return run_metrics(**{**kwargs, **over})
+
+
+SPANS = [_span(0, 2, 6, 100, 4000, 3.0), _span(0, 6, 10, 100, 4000, 3.0), _span(1, 2, 8, 150, 6000, 5.4)]
+
+
+def test_per_worker_busy_and_scaling_by_hand():
+    m = _metrics(SPANS)
+    w0, w1 = m["per_worker"]
+    assert (w0["units"], w0["rows"], w0["tokens"], w0["seconds"]) == (2, 200, 8000, 8.0)
+    assert w0["tokens_per_second"] == 1000.0 and w0["rows_per_second"] == 25.0 and w0["busy_fraction"] == 0.75
+    assert (w1["rows"], w1["seconds"], w1["busy_fraction"]) == (150, 6.0, 0.9)
+    assert w0["timeline"] == [[2.0, 6.0, 100, 4000], [6.0, 10.0, 100, 4000]]
+    assert m["busy_fraction"] == pytest.approx(11.4 / 14, abs=1e-6) and m["busy_source"] == "encode"
+    assert m["scaling_efficiency"] == pytest.approx(14 / 20)  # worker-seconds on units / (2 workers x 10 s)
+    assert m["startup_seconds"] == 2.0 and m["padding_efficiency"] == 1.0
+
+
+def test_mfu_by_hand():
+    m = _metrics(SPANS)
+    fpt = 2 * 2 * (4 * 64 * 64 + 2 * 64 * 128) + 4 * 2 * 4 * 16 * 40  # weights + attention at 40 tokens
+    assert m["flops_per_token"] == fpt == 151_552 and m["flops"]["seq_len"] == 40
+    assert m["mfu"] == pytest.approx(fpt * 14_000 / 10 / 2e10, abs=1e-6)  # run tokens/s over both peaks
+    assert m["encode_mfu"] == pytest.approx(fpt * 14_000 / (11.4 * 1e10), abs=1e-6)
+    assert m["per_worker"][0]["mfu"] == pytest.approx(fpt * 1000 / 1e10, abs=1e-6)
+    assert m["device"] == {"kind": "cpu", "name": "Test CPU", "count": 2, "threads": 2, "hosts": 1,
+                           "dtype": "float32", "peak_flops": 1e10, "peak_flops_total": 2e10}
+
+
+def test_cost_of_two_cpu_workers_by_hand():
+    cost = _metrics(SPANS)["cost"]
+    assert cost["usd_per_hour"] == pytest.approx(0.2)  # $0.10 per vCPU-hour x 2 threads
+    assert cost["device_hours"] == pytest.approx(20 / 3600, abs=1e-6)
+    assert cost["total_usd"] == pytest.approx(0.4 * 10 / 3600)
+    assert cost["usd_per_million_tokens"] == pytest.approx(0.4 * 10 / 3600 / 14_000 * 1e6)
+
+
+def test_device_busy_stage_is_preferred_when_the_runtime_records_it():
+    spans = [_span(0, 0, 4, 10, 100, 3.0, device_busy=2.0), _span(1, 0, 4, 10, 100, 3.0, device_busy=1.0)]
+    m = _metrics(spans)
+    assert m["busy_source"] == "device_busy" and m["busy_fraction"] == pytest.approx(3.0 / 8)
+
+
+def test_unknown_model_and_worker_without_units():
+    m = _metrics(SPANS[:1], model_config={"model_type": "t5"})
+    assert m["flops_per_token"] is None and m["mfu"] is None and m["encode_mfu"] is None
+    idle = m["per_worker"][1]
+    assert idle["units"] == 0 and idle["tokens_per_second"] == 0.0 and idle["busy_fraction"] is None
+
+
+def test_extend_never_overwrites_existing_keys():
+    base = {"rows": 3, "skipped_rows": 7}
+    assert extend_report(base, {"skipped_rows": 0, "mfu": 0.5}) == {"rows": 3, "skipped_rows": 7, "mfu": 0.5}

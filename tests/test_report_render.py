@@ -1,0 +1,65 @@
+"""The printed table, report.md and the comparison all show the numbers of report.json."""
+
+import re
+
+from embedpipe.report.render import render_comparison, render_markdown, render_table, stage_names
+from tests.report_helpers import sample_report
+
+
+def _value(text: str, label: str) -> str:
+    """The value cell of the first table line whose label is ``label`` (terminal or Markdown)."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else \
+            re.split(r"\s{2,}", line.strip())
+        if cells and cells[0] == label:
+            return cells[1]
+    raise AssertionError(f"no line {label!r} in\n{text}")
+
+
+def test_table_and_markdown_show_the_json_numbers():
+    r = sample_report()
+    table, md = render_table(r), render_markdown(r)
+    want = {
+        "rows": "5,000", "tokens (real)": "320,000", "padded tokens": "350,000", "padding efficiency": "91.43%",
+        "truncated rows": "10", "tokens/s": "12,800.0", "scaling efficiency": "60.00%", "encode": "35.00 s",
+        "price": "$6.88 per GPU-hour", "total cost": "$0.1433", "cost per million tokens": "$0.4479",
+    }
+    for label, value in want.items():
+        assert _value(table, label) == _value(md, label) == value, label
+    assert r["cost"]["total_usd"] == 6.88 * 3 * 25 / 3600  # 3 H100s for 25 s
+    assert "![tokens/s per worker and time by stage](report.png)" in md
+    assert md.count("| node") == 3 and "Per worker" in table
+
+
+def test_projection_rows_appear_when_asked():
+    r = sample_report()
+    assert "Projection" not in render_table(r)
+    table = render_table(r, project_rows=1e9)
+    # 3 workers x 111.1 rows/s after 5 s of start-up; 3 H100 at $6.88
+    hours = (5 + 1e9 / (3 * 1000 / 9)) / 3600
+    assert _value(table, "total cost").startswith("$")
+    assert f"${3 * hours * 6.88:,.2f}" in table and "1,000,000,000 rows" in table
+
+
+def test_index_section_is_shown_when_the_run_built_one():
+    r = {**sample_report(), "index": {"factory": "IVF256,PQ32", "recall": {"at_10": 0.9512}, "bytes": 123456789,
+                                       "build_seconds": 12.5}}
+    table, md = render_table(r), render_markdown(r)
+    for text in (table, md):
+        assert _value(text, "recall.at_10") == "0.9512" and _value(text, "bytes") == "123,456,789"
+        assert _value(text, "factory") == "IVF256,PQ32"
+
+
+def test_stage_order_keeps_known_stages_first_and_hides_device_busy():
+    r = {"stages": {"write": 1.0, "index": 2.0, "device_busy": 3.0, "encode": 4.0, "read": 0.1, "merge": 0.5}}
+    assert stage_names(r) == ["read", "encode", "write", "index", "merge"]
+
+
+def test_comparison_side_by_side_with_ratios_and_scaling():
+    a, b = sample_report(name="last night"), sample_report(name="tonight", speed=2.0, workers=2)
+    text = render_comparison([a, b], ["A", "B"])
+    line = next(l for l in text.splitlines() if l.startswith("tokens/s "))
+    assert line.split()[1:] == ["12,800.0", "21,333.3", "1.667x"]
+    # B: 1.667x the tokens/s with 2/3 of the workers = 2.5x per worker
+    assert next(l for l in text.splitlines() if l.startswith("tokens/s per worker")).endswith("2.500x")
+    assert "last night" in text and "tonight" in text
