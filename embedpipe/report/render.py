@@ -279,7 +279,7 @@ def _md_row(cells: list[str]) -> str:
 def load_report(output_dir: str | Path) -> dict:
     """report.json of a finished run (the folder, or the file itself)."""
     path = Path(output_dir)
-    path = path / "report.json" if path.is_dir() else path
+    path = path if path.suffix == ".json" else path / "report.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass the output.path of a finished run")
     return json.loads(path.read_text())
