@@ -13,7 +13,7 @@ TINY_BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "n
 
 
 def sample_report(*, name: str = "nightly", gpu: str = "NVIDIA H100 80GB HBM3", speed: float = 1.0,
-                  workers: int = 3) -> dict:
+                  workers: int = 3, cost: CostConfig | None = None) -> dict:
     devices = [DeviceInfo(kind="cuda", name=gpu, count=1, threads=2, host=f"node{i}", peak_flops={"bfloat16": 7e14})
                for i in range(workers)]
     spans, total = [], Counters()
@@ -27,4 +27,4 @@ def sample_report(*, name: str = "nightly", gpu: str = "NVIDIA H100 80GB HBM3", 
     report = build_report(total, wall_seconds=wall, workers=workers, units=5)
     return extend_report(report, {"job": name, **run_metrics(
         total=total, spans=spans, devices=devices, started_at=100.0, wall_seconds=wall, dtype="bfloat16",
-        model_config=TINY_BERT, cost=CostConfig())})
+        model_config=TINY_BERT, cost=cost or CostConfig())})

@@ -5,8 +5,10 @@ import pytest
 from embedpipe.config import CostConfig, JobError, load_job
 from embedpipe.report.cost import GPU_PRESETS, cost_section, preset_for, price_for, project
 from embedpipe.report.device import DeviceInfo
+from embedpipe.report.plot import build_figure
 from embedpipe.report.render import render_markdown, render_table
 from tests.conftest import QUICKSTART, write_job
+from tests.report_helpers import sample_report
 
 H100 = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", count=1, threads=2, host="n0")
 UNKNOWN_GPU = DeviceInfo(kind="cuda", name="NVIDIA GeForce RTX 3090", count=1, threads=2, host="n0")
@@ -60,18 +62,23 @@ def test_cpu_worker_costs_vcpu_price_times_threads():
 
 def test_unknown_gpu_without_a_price_reports_cost_unknown():
     assert price_for(UNKNOWN_GPU, CostConfig()) is None
-    cost = cost_section(prices=[price_for(UNKNOWN_GPU, CostConfig())], wall_seconds=3600.0, tokens=10, rows=1)
-    assert cost["device_hours"] == 1.0  # throughput and hours are still reported
+    # a whole run on an unknown GPU, through the driver's report path (build_report + run_metrics)
+    report = sample_report(gpu="NVIDIA GeForce RTX 3090", workers=2)
+    cost = report["cost"]
     for key in ("usd_per_hour", "total_usd", "usd_per_million_tokens", "usd_per_million_rows"):
-        assert cost[key] is None
-    report = {"rows": 1, "tokens": 10, "padded_tokens": 10, "truncated_rows": 0, "wall_seconds": 3600.0,
-              "rows_per_second": 1 / 3600, "tokens_per_second": 10 / 3600, "workers": 1, "units": 1,
-              "stages": {"encode": 1.0}, "cost": cost,
-              "device": {"kind": "cuda", "name": UNKNOWN_GPU.name, "count": 1, "dtype": "bfloat16"}}
-    for text in (render_table(report), render_markdown(report)):
-        line = next(line for line in text.splitlines() if "total cost" in line)
-        assert "unknown" in line and "$" not in line
+        assert cost[key] is None, key
+    assert cost["device_hours"] == pytest.approx(2 * report["wall_seconds"] / 3600)  # still reported
+    assert cost["unit"] == "GPU-hour" and "unknown" in cost["source"]
+    assert report["tokens_per_second"] > 0 and report["mfu"] is not None  # throughput is not lost
+    for text in (render_table(report, project_rows=1e6), render_markdown(report, project_rows=1e6)):
+        for label in ("price", "total cost", "cost per million tokens", "cost per million rows"):
+            line = next(line for line in text.splitlines() if label in line and "Projection" not in line)
+            assert "unknown" in line and "$" not in line, line
     assert project(report, rows=1e9)["total_usd"] is None
+    assert "cost unknown" in build_figure(report)._suptitle.get_text()
+    # the same run with a price from the job is priced
+    priced = sample_report(gpu="NVIDIA GeForce RTX 3090", workers=2, cost=CostConfig(gpu_hour_usd=0.5))
+    assert priced["cost"]["total_usd"] == pytest.approx(0.5 * 2 * report["wall_seconds"] / 3600)
 
 
 def test_projection_by_hand():

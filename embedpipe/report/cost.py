@@ -77,19 +77,24 @@ def price_for(device: DeviceInfo, cfg: CostConfig) -> Price | None:
     return price
 
 
-def cost_section(*, prices: list[Price | None], wall_seconds: float, tokens: int, rows: int) -> dict:
+def unit_of(devices: list[DeviceInfo]) -> str:
+    """What a device-hour is called in the report: GPU-hours, or worker-hours for CPU workers."""
+    return "GPU-hour" if devices and all(d.kind == "cuda" for d in devices) else "worker-hour"
+
+
+def cost_section(*, prices: list[Price | None], wall_seconds: float, tokens: int, rows: int,
+                 unit: str = "device-hour") -> dict:
     """report.json's ``cost``: every device held for the wall time; all null when any price is unknown."""
     device_hours = len(prices) * wall_seconds / 3600.0
-    unit = prices[0].unit if prices and prices[0] is not None else None
     known = bool(prices) and all(p is not None for p in prices)
     if not known:
-        return {"usd_per_hour": None, "device_hours": round(device_hours, 6), "unit": unit or "device-hour",
+        return {"usd_per_hour": None, "device_hours": device_hours, "unit": unit,
                 "total_usd": None, "usd_per_million_tokens": None, "usd_per_million_rows": None,
                 "source": "unknown: no price for this device; set cost.gpu_hour_usd"}
     total = sum(p.usd_per_hour for p in prices) * wall_seconds / 3600.0  # type: ignore[union-attr]
     return {
         "usd_per_hour": total / device_hours if device_hours else prices[0].usd_per_hour,  # type: ignore[union-attr]
-        "device_hours": round(device_hours, 6),
+        "device_hours": device_hours,
         "unit": unit,
         "total_usd": total,
         "usd_per_million_tokens": total / tokens * 1e6 if tokens else None,

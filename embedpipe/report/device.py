@@ -67,7 +67,11 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
                       threads=threads, host=socket.gethostname())
     if not probe:
         return info
-    peaks = {dtype: cached_peak(info, dtype) for dtype in dict.fromkeys(("float32", *dtypes))}
+    try:
+        peaks = {dtype: cached_peak(info, dtype) for dtype in dict.fromkeys(("float32", *dtypes))}
+    except Exception as exc:  # a failed probe costs the MFU figure, never the run
+        log.warning("peak FLOP/s probe failed on %s (%s): MFU will be unknown", name, exc)
+        return info
     return DeviceInfo(**{**asdict(info), "peak_flops": peaks})
 
 

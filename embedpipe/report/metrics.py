@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from embedpipe.config import CostConfig
-from embedpipe.report.cost import cost_section, price_for
+from embedpipe.report.cost import cost_section, price_for, unit_of
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
 from embedpipe.report.flops import effective_seq_len, flops_per_token_from_config, is_causal
@@ -66,7 +66,8 @@ def run_metrics(*, total: Counters, spans: list[UnitSpan], devices: list[DeviceI
         "mfu": _ratio(fpt * total.tokens / wall, peak_total) if fpt is not None and peak_total else None,
         "encode_mfu": _ratio(fpt * total.tokens, encode_peak) if fpt is not None and encode_peak else None,
         "device": _device_section(devices, dtype),
-        "cost": cost_section(prices=prices, wall_seconds=wall_seconds, tokens=total.tokens, rows=total.rows),
+        "cost": cost_section(prices=prices, wall_seconds=wall_seconds, tokens=total.tokens, rows=total.rows,
+                             unit=unit_of(devices)),
         "per_worker": workers,
     }
 

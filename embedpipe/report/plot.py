@@ -44,8 +44,9 @@ def build_figure(report: dict):
     stages.invert_yaxis()
     stages.set(xlabel="worker-seconds", title="time by stage")
     total = sum(seconds) or 1.0
+    stages.set_xlim(0, max(seconds, default=0.0) * 1.4 or 1.0)  # room for the labels
     for y, s in enumerate(seconds):
-        stages.annotate(f"{100 * s / total:.0f}%", (s, y), xytext=(3, 0), textcoords="offset points", va="center",
+        stages.annotate(f"{s:,.1f} s, {100 * s / total:.0f}%", (s, y), xytext=(3, 0), textcoords="offset points", va="center",
                         fontsize="small")
     cost = (report.get("cost") or {}).get("total_usd")
     fig.suptitle(f"{report.get('job', 'run')}: {report.get('rows', 0):,} rows, "
