@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.report.flops import flops_per_token_from_config, read_model_config
 from embedpipe.report.plot import build_figure
-from embedpipe.report.render import f_hours, f_int, f_num, f_pct, f_usd
+from embedpipe.report.render import f_hours, f_int, f_num, f_pct, f_usd, headline
 from embedpipe.runtime import Encoder, EncoderSettings
 from tests.conftest import split_corpus, write_job
 from tests.test_report_render import _value
@@ -81,6 +81,8 @@ def test_printed_table_markdown_and_json_agree(run):
     for label, value in want.items():
         assert _value(printed, label) == _value(md, label) == value, label
     assert f"{report['rows']:,}" == _value(md, "rows") and "report.png" in printed
+    line = headline(report)
+    assert line in printed.splitlines() and line in md.splitlines() and "300 rows" in line
 
 
 def test_plot_is_a_png_with_one_line_per_worker(run):

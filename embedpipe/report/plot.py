@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from embedpipe.report.render import fmt, f_pct, f_usd, stage_names
+from embedpipe.report.render import headline, stage_names
 
 
 def worker_line(timeline: list[list[float]]) -> tuple[list[float], list[float]]:
@@ -48,10 +48,7 @@ def build_figure(report: dict):
     for y, s in enumerate(seconds):
         stages.annotate(f"{s:,.1f} s, {100 * s / total:.0f}%", (s, y), xytext=(3, 0), textcoords="offset points", va="center",
                         fontsize="small")
-    cost = (report.get("cost") or {}).get("total_usd")
-    fig.suptitle(f"{report.get('job', 'run')}: {report.get('rows', 0):,} rows, "
-                 f"{report.get('tokens_per_second', 0):,.0f} tokens/s, MFU {fmt(report.get('mfu'), f_pct)}, "
-                 f"cost {fmt(cost, f_usd)}")
+    fig.suptitle(headline(report), fontsize="medium")
     return fig
 
 

@@ -196,11 +196,19 @@ def _sections(metrics: list[Metric], report: dict) -> dict[str, list[tuple[str, 
     return out
 
 
+def headline(report: dict) -> str:
+    """One line: what the run did, how fast, and what it cost."""
+    cost = (report.get("cost") or {}).get("total_usd")
+    return (f"{report.get('job') or 'run'}: {report['rows']:,} rows, {report['tokens']:,} tokens in "
+            f"{report['wall_seconds']:,.1f}s on {report['workers']} worker(s): {report['rows_per_second']:,.1f} rows/s, "
+            f"{report['tokens_per_second']:,.1f} tokens/s, MFU {fmt(report.get('mfu'), f_pct)}, cost {fmt(cost, f_usd)}")
+
+
 def render_table(report: dict, *, project_rows: float | None = None) -> str:
     """The summary printed at the end of a run (and by `embedpipe report OUTPUT_DIR`)."""
     sections = _sections(metrics_for(report, project_rows=project_rows), report)
     width = max(len(label) for rows in sections.values() for label, _ in rows)
-    lines = []
+    lines = [headline(report)]
     for title, rows in sections.items():
         lines.append(title)
         lines += [f"  {label:<{width}}  {value}" for label, value in rows]
@@ -213,7 +221,7 @@ def render_table(report: dict, *, project_rows: float | None = None) -> str:
 
 def render_markdown(report: dict, *, project_rows: float | None = None, plot: str | None = "report.png") -> str:
     name = report.get("job") or "run"
-    lines = [f"# embedpipe report: {name}", ""]
+    lines = [f"# embedpipe report: {name}", "", headline(report), ""]
     for title, rows in _sections(metrics_for(report, project_rows=project_rows), report).items():
         lines += [f"## {title}", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {label} | {value} |" for label, value in rows] + [""]
