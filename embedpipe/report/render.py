@@ -94,10 +94,6 @@ def _price_text(r: dict) -> str | None:
     return None if c.get("usd_per_hour") is None else f"{f_usd(c['usd_per_hour'])} per {c.get('unit', 'device-hour')}"
 
 
-def _busy(r: dict) -> Any:
-    return r.get("busy_fraction")
-
-
 # before the per-stage seconds
 OVERVIEW: list[Metric] = [
     Metric("Run", "job", _dig("job"), f_text, numeric=False),
@@ -114,7 +110,7 @@ OVERVIEW: list[Metric] = [
     Metric("Throughput", "rows/s", _dig("rows_per_second"), f_num),
     Metric("Throughput", "tokens/s", _dig("tokens_per_second"), f_num),
     Metric("Throughput", "scaling efficiency", _dig("scaling_efficiency"), f_pct),
-    Metric("Throughput", "device busy (of worker time)", _busy, f_pct),
+    Metric("Throughput", "device busy (of worker time)", _dig("busy_fraction"), f_pct),
 ]
 # after them
 HARDWARE_AND_COST: list[Metric] = [
@@ -136,7 +132,7 @@ def stage_names(*reports: dict) -> list[str]:
 
 
 def stage_metrics(*reports: dict) -> list[Metric]:
-    """Worker-seconds per stage, with its share of all stages' seconds."""
+    """Worker-seconds per stage, read to index first, then any other stage by name."""
     def get(stage: str) -> Callable[[dict], Any]:
         return lambda r: r.get("stages", {}).get(stage)
 
