@@ -24,7 +24,8 @@ def sample_report(*, name: str = "nightly", gpu: str = "NVIDIA H100 80GB HBM3", 
         spans.append(UnitSpan(worker, 100.0 + start, 100.0 + start + 9.0 / speed, c))
         total.merge(c)
     wall = 5.0 + 20.0 / speed
-    report = build_report(total, wall_seconds=wall, workers=workers, units=5)
+    units = {"total": 5, "skipped_as_done": 0, "encoded": 5, "retried": 0, "failed": 0, "failed_units": []}
+    report = build_report(total, this_run=total, wall_seconds=wall, workers=workers, units=units)
     return extend_report(report, {"job": name, **run_metrics(
-        total=total, spans=spans, devices=devices, started_at=100.0, wall_seconds=wall, dtype="bfloat16",
+        report, this_run=total, spans=spans, devices=devices, started_at=100.0, wall_seconds=wall, dtype="bfloat16",
         model_config=TINY_BERT, cost=cost or CostConfig())})

@@ -2,6 +2,7 @@
 with each other and with counts recomputed from the output; `embedpipe report` re-renders and compares."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow.dataset as ds
@@ -33,18 +34,18 @@ def run(tmp_path_factory, quickstart_table, ray_session):
                     cluster={"workers": 2, "cpus_per_worker": 1})
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress", "--set", "cost.cpu_hour_usd=0.05"])
     assert result.exit_code == 0, result.output
-    return table, tmp / "out", result.output
+    return table, tmp / "out", result.output, job
 
 
 def test_report_json_matches_counts_recomputed_from_the_output(run, minilm_dir):
-    table, out, _ = run
+    table, out, _, _ = run
     report = json.loads((out / "report.json").read_text())
     vectors = ds.dataset(out / "vectors", format="parquet").to_table()
     encoder = Encoder(EncoderSettings(model_path=str(minilm_dir)))
     lengths = encoder.tokenizer(table["text"].to_pylist()).lengths.astype(np.int64)
 
     assert report["rows"] == vectors.num_rows == 300 and report["tokens"] == int(lengths.sum())
-    assert report["job"] == "nightly" and report["workers"] == 2 and report["units"] == 3
+    assert report["job"] == "nightly" and report["workers"] == 2 and report["units"]["encoded"] == 3
     assert sum(w["rows"] for w in report["per_worker"]) == 300
     assert sum(w["tokens"] for w in report["per_worker"]) == report["tokens"]
     spans = [s for w in report["per_worker"] for s in w["timeline"]]
@@ -69,7 +70,7 @@ def test_report_json_matches_counts_recomputed_from_the_output(run, minilm_dir):
 
 
 def test_printed_table_markdown_and_json_agree(run):
-    _, out, printed = run
+    _, out, printed, _ = run
     report = json.loads((out / "report.json").read_text())
     md = (out / "report.md").read_text()
     want = {
@@ -82,18 +83,20 @@ def test_printed_table_markdown_and_json_agree(run):
         assert _value(printed, label) == _value(md, label) == value, label
     assert f"{report['rows']:,}" == _value(md, "rows") and "report.png" in printed
     line = headline(report)
-    assert line in printed.splitlines() and line in md.splitlines() and "300 rows" in line
+    assert line in md.splitlines() and "300 rows" in line
+    assert build_figure(report)._suptitle.get_text() == line
+    assert printed.startswith("300 rows, ")  # the run's short summary (report.render_summary) leads the table
 
 
 def test_plot_is_a_png_with_one_line_per_worker(run):
-    _, out, _ = run
+    _, out, _, _ = run
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "report.json").read_text())
     assert len(build_figure(report).axes[0].get_lines()) == report["workers"] == 2
 
 
 def test_report_command_rerenders_and_projects(run):
-    _, out, _ = run
+    _, out, _, _ = run
     before = (out / "report.json").read_bytes()
     (out / "report.md").unlink()
     result = CliRunner().invoke(app, ["report", str(out), "--project-rows", "1e9"])
@@ -104,7 +107,7 @@ def test_report_command_rerenders_and_projects(run):
 
 
 def test_report_command_compares_two_runs(run):
-    _, out, _ = run
+    _, out, _, _ = run
     result = CliRunner().invoke(app, ["report", str(out), str(out)])
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if line.startswith("tokens/s "))
@@ -114,3 +117,15 @@ def test_report_command_compares_two_runs(run):
 def test_report_command_names_a_missing_run(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "report.json does not exist" in result.output
+
+
+def test_a_resumed_run_with_nothing_left_costs_nothing(run, tmp_path):
+    _, out, _, job = run
+    shutil.copytree(out, tmp_path / "copy")  # the same job's finished output elsewhere: every unit is done
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress", "--set", f"output.path={tmp_path / 'copy'}"])
+    assert result.exit_code == 0, result.output
+    assert "3 already done, 0 encoded" in result.output
+    report = json.loads((tmp_path / "copy" / "report.json").read_text())
+    assert report["rows"] == 300 and report["per_worker"] == [] and report["mfu"] is None
+    assert report["cost"]["total_usd"] == 0 and report["cost"]["device_hours"] == 0
+    assert "report.png" in (tmp_path / "copy" / "report.md").read_text()

@@ -5,7 +5,7 @@ import pytest
 from embedpipe.config import CostConfig
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
-from embedpipe.report.metrics import UnitSpan, extend_report, run_metrics
+from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 
 TINY_BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "intermediate_size": 128}
@@ -22,9 +22,10 @@ def _metrics(spans, **over):
     total = Counters()
     for s in spans:
         total.merge(s.counters)
-    kwargs = dict(total=total, spans=spans, devices=[CPU, CPU], started_at=1000.0, wall_seconds=10.0,
+    report = {"tokens": total.tokens, "padded_tokens": total.padded_tokens}
+    kwargs = dict(this_run=total, spans=spans, devices=[CPU, CPU], started_at=1000.0, wall_seconds=10.0,
                   dtype="float32", model_config=TINY_BERT, cost=CostConfig(cpu_hour_usd=0.1))
-    return run_metrics(**{**kwargs, **over})
+    return run_metrics(report, **{**kwargs, **over})
 
 
 SPANS = [_span(0, 2, 6, 100, 4000, 3.0), _span(0, 6, 10, 100, 4000, 3.0), _span(1, 2, 8, 150, 6000, 5.4)]
@@ -77,3 +78,19 @@ def test_unknown_model_and_worker_without_units():
 def test_extend_never_overwrites_existing_keys():
     base = {"rows": 3, "skipped_rows": 7}
     assert extend_report(base, {"skipped_rows": 0, "mfu": 0.5}) == {"rows": 3, "skipped_rows": 7, "mfu": 0.5}
+
+
+def test_a_slot_without_units_is_counted_like_the_others():
+    other = DeviceInfo(kind="cpu", name="Other CPU")
+    assert devices_by_slot({1: CPU, 2: other}, slots=3) == [CPU, CPU, other]
+    assert devices_by_slot({}, slots=2) == []
+
+
+def test_incremental_usd_saved_at_this_runs_price_per_encoded_row():
+    this_run = Counters(rows=1000, reused_rows=750)  # 250 rows encoded for $0.50
+    report = {"cost": {"total_usd": 0.5}, "incremental": {"reused": 750, "usd_saved": None}}
+    fill_usd_saved(report, this_run=this_run)
+    assert report["incremental"]["usd_saved"] == pytest.approx(750 * 0.5 / 250)  # $1.50
+    unknown = {"cost": {"total_usd": None}, "incremental": {"usd_saved": None}}
+    fill_usd_saved(unknown, this_run=this_run)
+    assert unknown["incremental"]["usd_saved"] is None

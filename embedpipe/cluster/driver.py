@@ -30,7 +30,7 @@ from embedpipe.preflight import Plan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
 from embedpipe.report.flops import read_model_config
-from embedpipe.report.metrics import UnitSpan, extend_report, run_metrics
+from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import build_report, write_report
 
@@ -141,21 +141,13 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
     report = extend_report(report, {"job": job.name, **run_metrics(
-        total=this_run, spans=spans, devices=_slot_devices(devices, len(per_worker)),
+        report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=_model_config(job),
         cost=job.cost)})
+    fill_usd_saved(report, this_run=this_run)
     write_report(output, report)
     write_renderings(output, report)
     return RunResult(output_path=output, report=report)
-
-
-def _slot_devices(found: dict[int, DeviceInfo], slots: int) -> list[DeviceInfo]:
-    """One device per worker slot. A slot that finished no unit never reported its device; it held one
-    all the same, so it is counted (and priced) as the same kind as the others (workers are uniform)."""
-    if not found:
-        return []
-    fallback = found[min(found)]
-    return [found.get(slot, fallback) for slot in range(slots)]
 
 
 def _model_config(job: JobSpec) -> dict | None:

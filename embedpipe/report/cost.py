@@ -86,8 +86,10 @@ def cost_section(*, prices: list[Price | None], wall_seconds: float, tokens: int
                  unit: str = "device-hour") -> dict:
     """report.json's ``cost``: every device held for the wall time; all null when any price is unknown."""
     device_hours = len(prices) * wall_seconds / 3600.0
-    known = bool(prices) and all(p is not None for p in prices)
-    if not known:
+    if not prices:  # no worker ran (a resumed run with nothing left): no device was held
+        return {"usd_per_hour": None, "device_hours": 0.0, "unit": unit, "total_usd": 0.0,
+                "usd_per_million_tokens": None, "usd_per_million_rows": None, "source": "no workers ran"}
+    if not all(p is not None for p in prices):
         return {"usd_per_hour": None, "device_hours": device_hours, "unit": unit,
                 "total_usd": None, "usd_per_million_tokens": None, "usd_per_million_rows": None,
                 "source": "unknown: no price for this device; set cost.gpu_hour_usd"}

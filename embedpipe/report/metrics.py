@@ -42,10 +42,16 @@ def busy_seconds(stages: dict[str, float]) -> float:
     return stages.get("device_busy", stages.get("encode", 0.0))
 
 
-def run_metrics(*, total: Counters, spans: list[UnitSpan], devices: list[DeviceInfo], started_at: float,
-                wall_seconds: float, dtype: str, model_config: dict | None, cost: CostConfig) -> dict:
-    """The report sections computed from the units' spans, the workers' devices and the model config."""
+def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devices: list[DeviceInfo],
+                started_at: float, wall_seconds: float, dtype: str, model_config: dict | None,
+                cost: CostConfig) -> dict:
+    """The report sections computed from this run's unit spans, its workers' devices and the model config.
+
+    Like the rates of the base report, throughput, FLOPs, MFU and cost describe this run (``this_run``:
+    the units it encoded), not units a resumed run found already done.
+    """
     wall = max(wall_seconds, 1e-9)
+    total = this_run
     fpt, flops = _flops(total, model_config)
     workers = [_worker(i, [s for s in spans if s.worker == i], dev, started_at=started_at, dtype=dtype, fpt=fpt)
                for i, dev in enumerate(devices)]
@@ -55,8 +61,7 @@ def run_metrics(*, total: Counters, spans: list[UnitSpan], devices: list[DeviceI
                       for s in spans if s.worker < len(devices))
     prices = [price_for(d, cost) for d in devices for _ in range(d.count)]
     return {
-        "padding_efficiency": round(total.tokens / total.padded_tokens, 4) if total.padded_tokens else None,
-        "skipped_rows": 0,
+        "padding_efficiency": _ratio(report["tokens"], report["padded_tokens"]),
         "startup_seconds": round(min(s.started for s in spans) - started_at, 3) if spans else None,
         "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
         "busy_source": "device_busy" if "device_busy" in total.stages else "encode",
@@ -70,6 +75,22 @@ def run_metrics(*, total: Counters, spans: list[UnitSpan], devices: list[DeviceI
                              unit=unit_of(devices)),
         "per_worker": workers,
     }
+
+
+def devices_by_slot(found: dict[int, DeviceInfo], *, slots: int) -> list[DeviceInfo]:
+    """One device per worker slot. A slot that finished no unit never reported its device; it held one
+    all the same, so it is counted (and priced) like the first slot that did (workers are uniform)."""
+    if not found:
+        return []
+    return [found.get(slot, found[min(found)]) for slot in range(slots)]
+
+
+def fill_usd_saved(report: dict, *, this_run: Counters) -> None:
+    """Incremental runs: what the reused vectors would have cost at this run's price per encoded row."""
+    incremental, total_usd = report.get("incremental"), (report.get("cost") or {}).get("total_usd")
+    encoded = this_run.rows - this_run.reused_rows
+    if isinstance(incremental, dict) and incremental.get("usd_saved") is None and total_usd is not None and encoded:
+        incremental["usd_saved"] = this_run.reused_rows * total_usd / encoded
 
 
 def extend_report(report: dict, sections: dict) -> dict:

@@ -53,6 +53,10 @@ def f_si(unit: str) -> Callable[[Any], str]:
     return fmt
 
 
+def f_mb(v: Any) -> str:
+    return f"{v:,.0f} MB"
+
+
 def f_text(v: Any) -> str:
     return str(v)
 
@@ -94,19 +98,43 @@ def _price_text(r: dict) -> str | None:
     return None if c.get("usd_per_hour") is None else f"{f_usd(c['usd_per_hour'])} per {c.get('unit', 'device-hour')}"
 
 
+def _units_text(r: dict) -> str | None:
+    u = r.get("units")
+    if not isinstance(u, dict):
+        return None if u is None else f"{u:,}"
+    return (f"{u['encoded']} encoded of {u['total']} ({u['skipped_as_done']} already done, "
+            f"{u['retried']} retried, {u['failed']} failed)")
+
+
+def _bad_rows_text(r: dict) -> str | None:
+    bad = r.get("bad_rows")
+    if bad is None:
+        return None
+    return ", ".join(f"{reason}: {n:,}" for reason, n in bad.items()) or "none"
+
+
+def _max_worker_rss(r: dict) -> float | None:
+    workers = [w for w in (r.get("peak_rss_mb") or {}).get("workers", []) if w is not None]
+    return max(workers) if workers else None
+
+
 # before the per-stage seconds
 OVERVIEW: list[Metric] = [
     Metric("Run", "job", _dig("job"), f_text, numeric=False),
     Metric("Run", "device", _device_text, f_text, numeric=False),
     Metric("Run", "workers", _dig("workers"), f_int),
+    Metric("Run", "units", _units_text, f_text, numeric=False),
     Metric("Run", "wall time", _dig("wall_seconds"), f_sec),
     Metric("Run", "start-up (to first unit)", _dig("startup_seconds"), f_sec),
+    Metric("Run", "peak memory, driver", _dig("peak_rss_mb", "driver"), f_mb),
+    Metric("Run", "peak memory, worker (max)", _max_worker_rss, f_mb),
     Metric("Data", "rows", _dig("rows"), f_int),
     Metric("Data", "tokens (real)", _dig("tokens"), f_int),
     Metric("Data", "padded tokens", _dig("padded_tokens"), f_int),
     Metric("Data", "padding efficiency", _dig("padding_efficiency"), f_pct),
     Metric("Data", "truncated rows", _dig("truncated_rows"), f_int),
     Metric("Data", "skipped rows", _dig("skipped_rows"), f_int),
+    Metric("Data", "bad rows", _bad_rows_text, f_text, numeric=False),
     Metric("Throughput", "rows/s", _dig("rows_per_second"), f_num),
     Metric("Throughput", "tokens/s", _dig("tokens_per_second"), f_num),
     Metric("Throughput", "scaling efficiency", _dig("scaling_efficiency"), f_pct),
@@ -149,8 +177,13 @@ def projection_metrics(rows: float) -> list[Metric]:
             Metric(section, "total cost", get("total_usd"), f_usd)]
 
 
-def index_metrics(report: dict) -> list[Metric]:
-    """The FAISS section as written by the index stage, flattened (recall, size, build time...)."""
+# sections other stages write into report.json, shown as they are (flattened)
+FREE_SECTIONS: dict[str, str] = {"index": "Index", "incremental": "Incremental", "version": "Version"}
+
+
+def free_metrics(report: dict) -> list[Metric]:
+    """Sections written by other stages, flattened: the FAISS index (recall, size, build time...),
+    the incremental re-embedding, the output version."""
     def flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
         if isinstance(value, dict):
             return [kv for k, v in value.items() for kv in flat(f"{prefix}.{k}" if prefix else str(k), v)]
@@ -159,15 +192,18 @@ def index_metrics(report: dict) -> list[Metric]:
     def show(v: Any) -> str:
         return f"{v:,.4g}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
-    items = flat("", report["index"]) if isinstance(report.get("index"), dict) else []
-    return [Metric("Index", k, lambda r, v=v: v, show, numeric=False) for k, v in items]
+    out = []
+    for key, title in FREE_SECTIONS.items():
+        items = flat("", report[key]) if isinstance(report.get(key), dict) else []
+        out += [Metric(title, k, lambda r, v=v: v, show, numeric=False) for k, v in items]
+    return out
 
 
 def metrics_for(report: dict, *, project_rows: float | None = None) -> list[Metric]:
     out = [*OVERVIEW, *stage_metrics(report), *HARDWARE_AND_COST]
     if project_rows:
         out += projection_metrics(project_rows)
-    return out + index_metrics(report)
+    return out + free_metrics(report)
 
 
 # --------------------------------------------------------------------------- per-worker table
@@ -200,11 +236,21 @@ def headline(report: dict) -> str:
             f"{report['tokens_per_second']:,.1f} tokens/s, MFU {fmt(report.get('mfu'), f_pct)}, cost {fmt(cost, f_usd)}")
 
 
+def summary_lines(report: dict) -> list[str]:
+    """The run's short summary (report.render_summary); the headline for reports it cannot read."""
+    from embedpipe.report.report import render_summary
+
+    try:
+        return render_summary(report).splitlines()
+    except (KeyError, TypeError):
+        return [headline(report)]
+
+
 def render_table(report: dict, *, project_rows: float | None = None) -> str:
     """The summary printed at the end of a run (and by `embedpipe report OUTPUT_DIR`)."""
     sections = _sections(metrics_for(report, project_rows=project_rows), report)
     width = max(len(label) for rows in sections.values() for label, _ in rows)
-    lines = [headline(report)]
+    lines = summary_lines(report)
     for title, rows in sections.items():
         lines.append(title)
         lines += [f"  {label:<{width}}  {value}" for label, value in rows]
