@@ -66,14 +66,26 @@ def corpus(tmp_path_factory, quickstart_table):
 
 
 def _worker_pids() -> list[int]:
+    """This test session's worker actors only: descendants of this process (its local Ray), never
+    another session's workers on a shared machine."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EmbedWorker"):
+            if (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EmbedWorker")
+                    and _descends_from_us(int(proc.name))):
                 pids.append(int(proc.name))
         except OSError:
             continue
     return pids
+
+
+def _descends_from_us(pid: int) -> bool:
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after "(comm) state" is the parent pid
+    return False
 
 
 def test_sigkill_a_worker_mid_run(tmp_path, corpus, ray_session, encoder):

@@ -46,7 +46,7 @@ def test_two_nights_reencode_only_changes_and_current_moves_after_success(tmp_pa
     assert first.exit_code == 0, first.output
     night1 = _current(root)
     r1 = json.loads((root / "versions" / night1 / "report.json").read_text())
-    assert r1["incremental"] == {"reused": 0, "encoded": 200, "dropped": 0, "usd_saved": None}
+    assert r1["incremental"] == {"reused": 0, "encoded": 200, "dropped": 0, "usd_saved": 0.0}  # nothing reused
 
     # Between nights: 10% of rows change, 5% are deleted, 5% are added.
     ids, texts = base["id"].to_pylist(), base["text"].to_pylist()
@@ -64,6 +64,8 @@ def test_two_nights_reencode_only_changes_and_current_moves_after_success(tmp_pa
     r2 = json.loads((root / "versions" / night2 / "report.json").read_text())
     assert r2["incremental"]["reused"] == 170 and r2["incremental"]["encoded"] == 30
     assert r2["incremental"]["dropped"] == 10 and r2["rows"] == 200
+    # reused rows at this night's cost per encoded row (the report's cost section)
+    assert r2["incremental"]["usd_saved"] == pytest.approx(170 * r2["cost"]["total_usd"] / 30)
     got = _vectors(root / "versions" / night2)
     assert set(got) == set(new_texts)  # deleted rows are gone
     encoder = Encoder(EncoderSettings(model_path=MODEL))
