@@ -14,6 +14,10 @@ QWEN3_06B = {"model_type": "qwen3", "vocab_size": 151669, "hidden_size": 1024, "
              "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
              "attention_bias": False, "tie_word_embeddings": True, "rope_scaling": None,
              "sliding_window": None, "use_sliding_window": False, "max_window_layers": 28}
+QWEN3_BIDIRECTIONAL = {**QWEN3_06B, "use_bidirectional_attention": True}
+MODERNBERT_BASE = {"model_type": "modernbert", "vocab_size": 50368, "hidden_size": 768, "num_hidden_layers": 22,
+                   "num_attention_heads": 12, "intermediate_size": 1152, "global_attn_every_n_layers": 3,
+                   "local_attention": 128, "max_position_embeddings": 8192, "hidden_activation": "gelu"}
 
 
 def test_bert_base_hand_count():
@@ -46,9 +50,23 @@ def test_mixed_lengths_average_exactly():
     assert tokens * flops_per_token_from_config(QWEN3_06B, seq) == pytest.approx(causal, rel=1e-12)
 
 
-@pytest.mark.parametrize("config", [BERT_BASE, QWEN3_06B], ids=["bert-base", "qwen3-0.6b"])
-def test_matches_the_model_class(config):
-    """Same convention as the model's own flops_per_token (runs for every family registered here)."""
+def test_bidirectional_qwen3_and_modernbert_hand_counts():
+    per_layer = 15_728_640
+    assert flops_per_token_from_config(QWEN3_BIDIRECTIONAL, 512) == 2 * 28 * per_layer + 4 * 28 * 16 * 128 * 512
+    weights = 4 * 768 * 768 + 3 * 768 * 1152  # Wqkv, Wo + Wi (2 x 1152 wide), Wo
+    global_layers, local_layers = 8, 14  # layers 0, 3, ..., 21 attend globally
+    want = 2 * 22 * weights + 4 * 768 * (global_layers * 512 + local_layers * 129)  # local window 2 * 64 + 1
+    assert flops_per_token_from_config(MODERNBERT_BASE, 512) == want
+
+
+# The model classes' own counts. Qwen3Model rounds the causal mean context (seq + 1) / 2 to seq / 2.
+CAUSAL_HALF_TOKEN = {"qwen3-0.6b": 4 * 28 * 16 * 128 * 0.5}
+
+
+@pytest.mark.parametrize("config", [BERT_BASE, QWEN3_06B, QWEN3_BIDIRECTIONAL, MODERNBERT_BASE],
+                         ids=["bert-base", "qwen3-0.6b", "qwen3-bidirectional", "modernbert-base"])
+def test_matches_the_model_class(config, request):
+    """The convention of each model's own flops_per_token (every family registered on this branch)."""
     import embedpipe.models  # noqa: F401  (registers the families)
 
     cls = MODEL_REGISTRY.get(config["model_type"])
@@ -56,8 +74,9 @@ def test_matches_the_model_class(config):
         pytest.skip(f"model_type {config['model_type']} is not implemented on this branch")
     with torch.device("meta"):
         model = cls(cls.config_class.from_hf_config(config))
+    offset = CAUSAL_HALF_TOKEN.get(request.node.callspec.id, 0.0)
     for seq in (1, 100, 512):
-        assert model.flops_per_token(seq) == pytest.approx(flops_per_token_from_config(config, seq), rel=1e-12)
+        assert model.flops_per_token(seq) + offset == pytest.approx(flops_per_token_from_config(config, seq), rel=1e-12)
 
 
 def test_unknown_model_type_is_refused_by_name():

@@ -8,12 +8,18 @@ The convention is the one of ``BertModel.flops_per_token`` (embedpipe/models/ber
   and the MLP: up + down (2 h i), or gate + up + down (3 h i) for gated (SwiGLU) MLPs.
 - Attention: QK^T and PV, each 2 x context x head_dim per head per query token.
 - context: a bidirectional encoder's query sees all ``seq_len`` keys; a causal model's query at
-  position p sees p keys, (seq_len + 1) / 2 on average.
+  position p sees p keys, (seq_len + 1) / 2 on average (``Qwen3Model.flops_per_token`` rounds
+  this to seq_len / 2, half a token less); a local-attention layer (ModernBERT) sees at most
+  its window, min(seq_len, 2 w + 1).
+- causal or not: decoder families are causal unless config.json says ``use_bidirectional_attention:
+  true`` or ``is_causal: false`` (the rule of embedpipe/models/qwen3.py); ModernBERT's layers are
+  global every ``global_attn_every_n_layers``-th layer (or as ``layer_types`` says), local otherwise.
 - Not counted: embeddings, biases, norms, activations, softmax, an LM head, the pooling head.
 
 A run mixes lengths: the attention term summed over a sequence of length L is 4 l H d L^2
 (bidirectional), so the exact per-token average is ``flops_per_token_from_config(cfg,
-effective_seq_len(...))`` with effective length sum(L^2) / sum(L) over the run's rows.
+effective_seq_len(...))`` with effective length sum(L^2) / sum(L) over the run's rows (exact for
+full attention, causal or not; for local-attention layers an approximation).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Arch:
-    causal: bool  # decoder-style attention (context (L + 1) / 2) or bidirectional (context L)
+    causal: bool  # decoder-style attention (context (L + 1) / 2) unless the config turns it off
     gated_mlp: bool  # gate + up + down projections (3 h i weights) or up + down (2 h i)
+    local_layers: bool = False  # ModernBERT: some layers attend within a window only
 
 
 # config.json model_type -> attention and MLP shape
@@ -34,8 +41,10 @@ ARCHS: dict[str, Arch] = {
     "bert": Arch(causal=False, gated_mlp=False),
     "roberta": Arch(causal=False, gated_mlp=False),
     "xlm-roberta": Arch(causal=False, gated_mlp=False),
+    "modernbert": Arch(causal=False, gated_mlp=True, local_layers=True),
     "qwen2": Arch(causal=True, gated_mlp=True),
     "qwen3": Arch(causal=True, gated_mlp=True),
+    "bidirectional_pplx_qwen3": Arch(causal=False, gated_mlp=True),  # trained bidirectional whatever its flags
     "llama": Arch(causal=True, gated_mlp=True),
     "mistral": Arch(causal=True, gated_mlp=True),
 }
@@ -54,13 +63,28 @@ def flops_per_token_from_config(config_json: dict, seq_len: float) -> float:
     inter = config_json["intermediate_size"]
     attn_weights = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h  # q, k, v, out
     mlp_weights = (3 if arch.gated_mlp else 2) * h * inter
-    context = (seq_len + 1) / 2 if arch.causal else seq_len
-    return 2.0 * layers * (attn_weights + mlp_weights) + 4.0 * layers * heads * head_dim * context
+    contexts = _contexts(config_json, arch, seq_len, layers)
+    return 2.0 * layers * (attn_weights + mlp_weights) + 4.0 * heads * head_dim * sum(contexts)
+
+
+def _contexts(config_json: dict, arch: Arch, seq_len: float, layers: int) -> list[float]:
+    """Keys each query sees, per layer."""
+    if is_causal(config_json):
+        return [(seq_len + 1) / 2] * layers
+    if not arch.local_layers:
+        return [float(seq_len)] * layers
+    every = config_json.get("global_attn_every_n_layers", 3)
+    types = config_json.get("layer_types") or ["sliding_attention" if i % every else "full_attention"
+                                               for i in range(layers)]
+    window = 2 * (config_json.get("local_attention", 128) // 2) + 1
+    return [float(seq_len) if t == "full_attention" else float(min(seq_len, window)) for t in types]
 
 
 def is_causal(config_json: dict) -> bool:
     arch = ARCHS.get(config_json.get("model_type", ""))
-    return bool(arch and arch.causal)
+    if arch is None or not arch.causal:
+        return False
+    return not (config_json.get("use_bidirectional_attention") is True or config_json.get("is_causal") is False)
 
 
 def effective_seq_len(*, tokens: int, tokens_squared: int) -> float:
