@@ -125,9 +125,9 @@ def test_flops_per_token_qwen3_0_6b_hand_count():
     # per layer: q 1024x2048, k 1024x1024, v 1024x1024, o 2048x1024, gate + up 2 x 1024x3072, down 3072x1024
     per_layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072
     assert per_layer == 15_728_640  # 440.4M matmul weights in 28 layers (+155.3M embedding, not a matmul)
-    # causal: on average a query sees seq_len / 2 keys; QK^T and PV are 2 * keys * head_dim each, per head
-    attn_512 = 4 * 28 * 16 * 128 * (512 / 2)
-    assert model.flops_per_token(512) == 2 * 28 * per_layer + attn_512 == 939_524_096
+    # causal: query i sees i + 1 keys, (512 + 1) / 2 on average; QK^T and PV are 2 * keys * head_dim each, per head
+    attn_512 = 4 * 28 * 16 * 128 * (513 / 2)
+    assert model.flops_per_token(512) == 2 * 28 * per_layer + attn_512 == 939_638_784
     with torch.device("meta"):
         bidirectional = Qwen3Model(dataclasses.replace(cfg, causal=False))  # every query sees all 512 keys
-    assert bidirectional.flops_per_token(512) == 2 * 28 * per_layer + 2 * attn_512
+    assert bidirectional.flops_per_token(512) == 2 * 28 * per_layer + 4 * 28 * 16 * 128 * 512

@@ -192,14 +192,15 @@ class Qwen3Model(nn.Module):
         """Forward FLOPs per token for sequences of `seq_len` tokens.
 
         2 * (weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer)
-        + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees seq_len / 2 keys on
-        average (the exact mean, (seq_len + 1) / 2, differs by half a token); bidirectional: seq_len.
+        + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees (seq_len + 1) / 2 keys on
+        average (query i sees i + 1 keys); bidirectional: seq_len. Same convention as
+        embedpipe.report.flops.flops_per_token_from_config.
         Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
         Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
-        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256 = 939.5 MFLOP/token.
+        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256.5 = 939.6 MFLOP/token.
         """
         c = self.config
-        context = seq_len / 2 if c.causal else seq_len
+        context = (seq_len + 1) / 2 if c.causal else seq_len
         return 2.0 * matmul_params(self.layers) + attention_flops(
             layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=context
         )
