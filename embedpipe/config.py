@@ -88,10 +88,20 @@ class ModelConfig:
 class BatchingConfig:
     max_tokens: int = opt(8192, "Token budget of one encoder step (real tokens, no padding).")
     sort_window: int = opt(4096, "Sequences sorted by length together before cutting batches; larger packs tighter.")
+    buckets: list[int] | None = opt(None, "GPU with CUDA graphs: token counts a batch is padded up to (one graph per "
+                                          "bucket); null: powers of two from 64 up to max_tokens, and max_tokens.")
 
     def validate(self) -> None:
         _positive(self, "batching", "max_tokens")
         _positive(self, "batching", "sort_window")
+        if self.buckets is not None:
+            if not self.buckets or min(self.buckets) <= 0:
+                raise JobError("batching.buckets", f"{self.buckets!r} must be positive token counts",
+                               "list token counts like [512, 2048, 8192], or null for powers of two")
+            if max(self.buckets) < self.max_tokens:
+                raise JobError("batching.buckets", f"the largest bucket {max(self.buckets)} is below "
+                               f"batching.max_tokens={self.max_tokens}",
+                               f"add a bucket of at least {self.max_tokens} tokens, or lower batching.max_tokens")
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,20 @@ class ClusterConfig:
 class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when the worker has a GPU, else cpu.")
     attention: Literal["auto", "sdpa", "reference", "varlen", "flash"] = opt(
-        "auto", "Attention backend; auto: flash-attn or torch varlen on GPU, SDPA on CPU.")
+        "auto", "Attention backend; auto: flash-attn or torch varlen on GPU in float16/bfloat16, else SDPA.")
+    cuda_graphs: bool = opt(True, "GPU: pad batches to batching.buckets and replay one CUDA graph per bucket "
+                                  "(captured on first use); false: run eagerly on exact shapes.")
+    max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")
+    graph_memory_mb: int = opt(4096, "GPU: memory the graphs may hold together (MiB); the least recently used are "
+                                     "released beyond it, and a bucket whose graph alone exceeds it runs eagerly.")
+    warmup_check: bool = opt(True, "Before real work, run sample texts through the fast path and an eager float32 "
+                                   "copy; fail the worker if any cosine differs by more than 0.1%.")
+
+    def validate(self) -> None:
+        if self.max_graphs < 0:
+            raise JobError("runtime.max_graphs", f"{self.max_graphs!r} must be 0 or more",
+                           "set runtime.max_graphs to 0 (no graphs kept) or more")
+        _positive(self, "runtime", "graph_memory_mb")
 
 
 GpuPreset = Literal["auto", "H100", "H200", "B200", "A100", "L4", "cpu"]

@@ -16,7 +16,9 @@ Backends (pick once at start-up with `select_backend`, force one in tests):
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import logging
 from typing import Callable
 
@@ -144,14 +146,52 @@ def _window_size(causal: bool, window: int | None) -> tuple[int, int]:
     return (left, 0) if causal else (left, left)
 
 
-def _varlen(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale) -> Tensor:
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """Keyword names of the installed torch's varlen_attn (read once)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    cu = cu_seqlens.to(torch.int32)
-    return varlen_attn(
-        q, k, v, cu, cu, max_seqlen, max_seqlen,
-        scale=scale, window_size=_window_size(causal, window), enable_gqa=k.shape[1] != q.shape[1],
-    )  # [T, H, D]
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_kwargs(params: frozenset[str], *, causal: bool, window: int | None, scale: float | None,
+                   gqa: bool) -> tuple[dict, float | None]:
+    """varlen_attn's keywords for this torch, and a factor to fold into q where it has no `scale`.
+
+    torch 2.10: `is_causal`, no scale, no window.  2.11: `scale`, `window_size` ((-1, 0) is
+    causal), no `is_causal`.  2.12+: also `enable_gqa`, required when K/V have fewer heads
+    (2.10/2.11 pass GQA straight to the flash kernel, which supports it natively).
+    """
+    kw: dict = {}
+    if "window_size" in params:
+        kw["window_size"] = _window_size(causal, window)  # a tuple: varlen_attn compares it to (-1, 0)
+    elif window is not None:
+        raise NotImplementedError(
+            f"attention backend 'varlen' on torch {torch.__version__} has no sliding window (needs torch >= 2.11); "
+            "use attention backend 'flash' or 'sdpa'")
+    else:
+        kw["is_causal"] = causal
+    fold = None
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None:
+        fold = scale
+    if gqa and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return kw, fold
+
+
+def _varlen(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale) -> Tensor:
+    # Flash-attention kernels inside torch: no host sync (cu_seqlens stays on the device,
+    # max_seqlen is a Python int), so it runs under CUDA graphs.
+    from torch.nn.attention.varlen import varlen_attn
+
+    kw, fold = _varlen_kwargs(_varlen_params(), causal=causal, window=window, scale=scale,
+                              gqa=k.shape[1] != q.shape[1])
+    if fold is not None:  # torch 2.10: the kernel scales by D**-0.5; fold the rest into q
+        q = q * (fold * q.shape[-1] ** 0.5)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    return varlen_attn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kw)  # [T, H, D]
 
 
 def _flash(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale) -> Tensor:
@@ -162,7 +202,7 @@ def _flash(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale) -> Tensor:
             "attention backend 'flash' needs flash-attn: pip install 'embedpipe[gpu]' "
             "(or choose attention backend 'varlen' / 'sdpa')"
         ) from e
-    cu = cu_seqlens.to(torch.int32)
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
     return flash_attn_varlen_func(
         q, k, v, cu, cu, max_seqlen, max_seqlen,
         softmax_scale=scale, causal=causal, window_size=_window_size(causal, window),
@@ -189,17 +229,20 @@ _AVAILABLE: dict[str, Callable[[bool], bool]] = {
     "flash": lambda on_cuda: on_cuda and _cuda() and importlib.util.find_spec("flash_attn") is not None,
 }
 _AUTO_ORDER = ("flash", "varlen", "sdpa")  # best first
+_HALF_ONLY = frozenset({"flash", "varlen"})  # flash kernels: float16 / bfloat16 only
 _logged: set[tuple[str, str, str]] = set()
 
 
-def available_backends(*, device: str) -> list[str]:
+def available_backends(*, device: str, dtype: torch.dtype | None = None) -> list[str]:
+    """Backends that run on `device` (and on `dtype`, when given)."""
     on_cuda = torch.device(device).type == "cuda"
-    return [name for name in BACKENDS if _AVAILABLE[name](on_cuda)]
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    return [name for name in BACKENDS if _AVAILABLE[name](on_cuda) and (half or name not in _HALF_ONLY)]
 
 
-def select_backend(*, device: str, requested: str = "auto") -> str:
-    """Resolve "auto" or check a named backend against `device`; logs the choice once."""
-    available = available_backends(device=device)
+def select_backend(*, device: str, requested: str = "auto", dtype: torch.dtype | None = None) -> str:
+    """Resolve "auto" or check a named backend against `device` and `dtype`; logs the choice once."""
+    available = available_backends(device=device, dtype=dtype)
     if requested == "auto":
         choice = next(name for name in _AUTO_ORDER if name in available)
     elif requested not in BACKENDS:
@@ -208,6 +251,11 @@ def select_backend(*, device: str, requested: str = "auto") -> str:
             f"(available on {device}: {available})"
         )
     elif requested not in available:
+        if requested in _HALF_ONLY and requested in available_backends(device=device):
+            raise ValueError(
+                f"attention backend {requested!r} runs in float16/bfloat16 only, the model is {dtype}: "
+                f"set model.dtype to bfloat16, or the attention backend to 'sdpa' or 'auto'"
+            )
         hint = " (flash needs CUDA and `pip install 'embedpipe[gpu]'`)" if requested == "flash" else " (needs CUDA)"
         raise ValueError(
             f"attention backend {requested!r} is not available on device {device!r}{hint}; "
@@ -215,7 +263,8 @@ def select_backend(*, device: str, requested: str = "auto") -> str:
         )
     else:
         choice = requested
-    if (device, requested, choice) not in _logged:
-        _logged.add((device, requested, choice))
-        logger.info("attention backend: %s (requested %s, device %s)", choice, requested, device)
+    key = (device, requested, f"{choice} {dtype}")
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("attention backend: %s (requested %s, device %s, dtype %s)", choice, requested, device, dtype)
     return choice

@@ -162,7 +162,7 @@ def load_model(
     hf = json.loads((model_dir / "config.json").read_text())
     cls = model_class(hf.get("model_type", "<missing>"))
     config = cls.config_class.from_hf_config(hf)
-    backend = select_backend(device=device, requested=attention_backend)
+    backend = select_backend(device=device, requested=attention_backend, dtype=dtype)
     with torch.device("meta"):
         model = cls(config, attention_backend=backend)
     load_state_dict_into(model, read_weights(model_dir, allow_pickle=allow_pickle), dtype=dtype, device=device)

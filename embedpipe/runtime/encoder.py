@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,6 +13,9 @@ import torch
 from embedpipe.models import load_model
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.report.counters import Counters
+from embedpipe.runtime.prefetch import Prefetcher
+from embedpipe.runtime.runners import RunnerSettings, build_runner
+from embedpipe.runtime.warmup import warmup_guard
 from embedpipe.text.packer import Batch, TokenPacker
 from embedpipe.text.tokenizer import TextTokenizer
 
@@ -35,13 +39,18 @@ class EncoderSettings:
     sort_window: int = 4096
     threads: int | None = None  # torch intra-op threads; None leaves torch's default
     allow_pickle: bool = False  # also read pytorch_model.bin (torch.load(weights_only=True))
+    runner: RunnerSettings = RunnerSettings()  # GPU: buckets, CUDA graphs, staging depth
+    warmup_check: bool = True  # compare the fast path with float32 eager before any real work
 
     @classmethod
     def from_job(cls, job, *, threads: int | None = None) -> "EncoderSettings":
         m, b, r = job.model, job.batching, job.runtime
+        runner = RunnerSettings(cuda_graphs=r.cuda_graphs, buckets=tuple(b.buckets) if b.buckets else None,
+                                max_graphs=r.max_graphs, graph_memory_mb=r.graph_memory_mb)
         return cls(model_path=m.path, max_seq_len=m.max_seq_len, dtype=m.dtype, pooling=m.pooling,
                    normalize=m.normalize, device=r.device, attention=r.attention, max_tokens=b.max_tokens,
-                   sort_window=b.sort_window, threads=threads, allow_pickle=m.allow_pickle)
+                   sort_window=b.sort_window, threads=threads, allow_pickle=m.allow_pickle, runner=runner,
+                   warmup_check=r.warmup_check)
 
 
 class Encoder:
@@ -62,8 +71,11 @@ class Encoder:
         self.tokenizer = TextTokenizer(self.model_dir, max_seq_len=self.max_seq_len, lower_case=spec.do_lower_case)
         self.packer = TokenPacker(max_tokens=settings.max_tokens, sort_window=settings.sort_window)
         self.dim = self.loaded.dim
-        log.info("encoder %s on %s (%s), dim %d, max_seq_len %d", self.model_dir.name, self.device,
-                 settings.dtype, self.dim, self.max_seq_len)
+        self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_tokens=settings.max_tokens,
+                                   max_seq_len=self.max_seq_len, settings=settings.runner)
+        log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
+                 settings.dtype, self.runner.name, self.dim, self.max_seq_len)
+        self.warmup = warmup_guard(self) if settings.warmup_check else None  # raises WarmupDivergence
 
     @torch.inference_mode()
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -75,19 +87,38 @@ class Encoder:
         return self.head(hidden, cu)  # [B, D]
 
     def embed(self, texts: list[str], counters: Counters | None = None) -> np.ndarray:
-        """Texts to vectors [N, D] float32, in input order."""
+        """Texts to vectors [N, D] float32, in input order.
+
+        A prefetch thread tokenizes and packs one sort window ahead while the runner encodes
+        (the packer sorts within windows, so the batches are those of the whole list); results
+        are read back as they complete. Stage times overlap: tokenize + pack + encode > wall.
+        """
         counters = counters if counters is not None else Counters()
-        with counters.time("tokenize"):
-            tok = self.tokenizer(texts)
-        with counters.time("pack"):
-            batches = self.packer(tok)
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        with counters.time("encode"):
-            for batch in batches:
-                out[batch.rows] = self(batch).float().cpu().numpy()
+        window = self.settings.sort_window
+
+        def prepare(start: int):  # prefetch thread: CPU only
+            with counters.time("tokenize"):
+                tok = self.tokenizer(texts[start:start + window])
+            with counters.time("pack"):
+                return start, tok, self.packer(tok)
+
+        pending: deque = deque()  # (rows, LazyResult), oldest first
+
+        def collect(force: bool) -> None:
+            while pending and (force or pending[0][1].done()):
+                rows, result = pending.popleft()
+                out[rows] = result.get().numpy()
+                counters.padded_tokens += result.computed_tokens
+
+        with counters.time("encode"), Prefetcher(range(0, len(texts), window), prepare) as ready:
+            for start, tok, batches in ready:
+                for batch in batches:
+                    pending.append((batch.rows + start, self.runner.submit(batch)))
+                    collect(force=False)
+                counters.tokens += int(tok.lengths.sum())
+                counters.tokens_squared += int((tok.lengths.astype(np.int64) ** 2).sum())
+                counters.truncated_rows += int(tok.truncated.sum())
+            collect(force=True)
         counters.rows += len(texts)
-        counters.tokens += int(tok.lengths.sum())
-        counters.padded_tokens += int(tok.lengths.sum())  # packed: no padding on this path
-        counters.truncated_rows += int(tok.truncated.sum())
-        counters.tokens_squared += int((tok.lengths.astype(np.int64) ** 2).sum())
         return out

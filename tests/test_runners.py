@@ -1,0 +1,134 @@
+"""Runners: the bucketed + graphed device path against the eager one (CPU stand-in; CUDA when present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embedpipe.models import load_model
+from embedpipe.runtime.buckets import Bucketer
+from embedpipe.runtime.graphs import EagerGraphs, GraphCache
+from embedpipe.runtime.runners import DeviceRunner, EagerRunner, RunnerSettings, build_runner
+from embedpipe.runtime.warmup import compare, run_batches
+from embedpipe.text.packer import TokenPacker
+from embedpipe.text.tokenizer import Tokenized
+from tests.model_helpers import save_tiny_bert
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+MAX_SEQ_LEN, MAX_TOKENS, N = 128, 1024, 150
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-bert")
+    save_tiny_bert(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batches():
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.lognormal(3.0, 0.9, N).astype(np.int64) + 1, MAX_SEQ_LEN)  # mixed, long tail
+    tok = Tokenized(ids=rng.integers(1, 100, int(lengths.sum())), lengths=lengths, truncated=np.zeros(N, bool))
+    return TokenPacker(max_tokens=MAX_TOKENS, sort_window=64)(tok)
+
+
+def _model(tiny_dir, *, device="cpu", dtype=torch.float32, pooling="mean", backend="sdpa"):
+    lm = load_model(tiny_dir, dtype=dtype, device=device, attention_backend=backend)
+    return lm.model, lm.build_head(pooling=pooling, normalize=True)
+
+
+def _device_runner(model, head, *, device="cpu", graphs=True, bucketed=True, buckets=None, max_graphs=16):
+    cache = None
+    if graphs:
+        if torch.device(device).type == "cuda":
+            from embedpipe.runtime.graphs import CudaGraphs
+
+            backend = CudaGraphs(device)
+        else:
+            backend = EagerGraphs()
+        cache = GraphCache(backend, max_graphs=max_graphs, max_bytes=1 << 30)
+    bucketer = Bucketer(max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN, token_buckets=buckets)
+    return DeviceRunner(model, head, device=device, bucketer=bucketer, bucketed=bucketed, graphs=cache, inflight=2)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_bucketed_graphed_runner_matches_eager(tiny_dir, batches, pooling):
+    model, head = _model(tiny_dir, pooling=pooling)
+    want = run_batches(EagerRunner(model, head, device="cpu"), batches, N)
+    runner = _device_runner(model, head)
+    got = run_batches(runner, batches, N)  # all submitted before any is read: 2 slots, many in flight
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert compare(got, want).min_cosine > 0.999999
+    assert runner.name == "graphed" and runner.graphs.stats.captures == len(runner.graphs.graphs)
+
+
+def test_dummy_rows_are_dropped_and_padding_is_counted(tiny_dir, batches):
+    model, head = _model(tiny_dir)
+    runner = _device_runner(model, head)
+    for batch in batches:
+        result = runner.submit(batch)
+        shape = runner.shape(batch)
+        assert result.get().shape[0] == batch.num_seqs  # real rows only
+        assert result.computed_tokens == shape.tokens >= batch.num_tokens and shape.seqs >= batch.num_seqs
+    assert runner.graphs.stats.captures == len({runner.shape(b) for b in batches})  # one graph per shape
+
+
+def test_graph_replay_equals_eager_on_the_same_padded_inputs(tiny_dir, batches):
+    model, head = _model(tiny_dir)
+    eager = run_batches(_device_runner(model, head, graphs=False), batches, N)  # bucketed, no graphs
+    graphed = run_batches(_device_runner(model, head), batches, N)
+    assert torch.equal(graphed, eager)
+
+
+def test_staged_exact_shapes_equal_the_eager_runner(tiny_dir, batches):
+    model, head = _model(tiny_dir)
+    staged = _device_runner(model, head, graphs=False, bucketed=False)
+    assert staged.name == "staged"
+    got = run_batches(staged, batches, N)
+    assert torch.equal(got, run_batches(EagerRunner(model, head, device="cpu"), batches, N))
+    assert all(staged.submit(b).computed_tokens == b.num_tokens for b in batches[:3])  # no padding
+
+
+def test_eviction_under_a_tight_cap_keeps_results_right(tiny_dir, batches):
+    model, head = _model(tiny_dir)
+    want = run_batches(EagerRunner(model, head, device="cpu"), batches, N)
+    runner = _device_runner(model, head, max_graphs=1, buckets=[128, 512, 1024])
+    torch.testing.assert_close(run_batches(runner, batches, N), want, atol=2e-6, rtol=1e-5)
+    assert len(runner.graphs.graphs) == 1 and runner.graphs.stats.evictions >= 1
+
+
+def test_graphs_need_buckets(tiny_dir):
+    model, head = _model(tiny_dir)
+    with pytest.raises(ValueError, match="graphs need bucketed shapes"):
+        DeviceRunner(model, head, device="cpu", bucketer=Bucketer(max_tokens=64, max_seq_len=64), bucketed=False,
+                     graphs=GraphCache(EagerGraphs(), max_graphs=1, max_bytes=1))
+
+
+def test_cpu_gets_the_eager_runner(tiny_dir):
+    model, head = _model(tiny_dir)
+    runner = build_runner(model, head, device="cpu", max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
+                          settings=RunnerSettings())
+    assert isinstance(runner, EagerRunner)
+
+
+@CUDA
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "staged"])
+def test_cuda_runner_bf16_matches_fp32_eager(tiny_dir, batches, cuda_graphs):
+    ref_model, ref_head = _model(tiny_dir, device="cuda", backend="sdpa")
+    want = run_batches(EagerRunner(ref_model, ref_head, device="cuda"), batches, N)
+    model, head = _model(tiny_dir, device="cuda", dtype=torch.bfloat16, backend="auto")
+    runner = build_runner(model, head, device="cuda", max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
+                          settings=RunnerSettings(cuda_graphs=cuda_graphs))
+    assert runner.name == ("graphed" if cuda_graphs else "staged")
+    got = run_batches(runner, batches, N)
+    assert compare(got, want).min_cosine > 0.999
+
+
+@CUDA
+def test_cuda_graph_replay_equals_eager_bit_for_bit(tiny_dir, batches):
+    model, head = _model(tiny_dir, device="cuda", dtype=torch.bfloat16, backend="auto")
+    eager = run_batches(_device_runner(model, head, device="cuda", graphs=False), batches, N)
+    graphed = run_batches(_device_runner(model, head, device="cuda"), batches, N)
+    assert torch.equal(graphed, eager)
