@@ -55,6 +55,18 @@ def test_reusing_a_slot_waits_for_the_oldest_result_only():
     assert results[1].get().tolist() == [[1.0, 1.0]]
 
 
+def test_results_parked_inside_inference_mode_are_editable_tensors():
+    ring = StagingRing(slots=1, input_size=4, pin=False)
+    with torch.inference_mode():  # runners submit under inference mode
+        slot = ring.next_slot()
+        slot.output(2, 2).fill_(3.0)
+        result = slot.finish(2, computed_tokens=4)
+        ring.next_slot()  # reuse parks (copies out) the result inside inference mode
+    value = result.get()
+    value[0] = 0.0  # would raise for an inference tensor
+    assert value.tolist() == [[0.0, 0.0], [3.0, 3.0]]
+
+
 def test_output_buffer_grows_on_demand():
     ring = StagingRing(slots=1, input_size=4, pin=False)
     slot = ring.next_slot()

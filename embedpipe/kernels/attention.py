@@ -10,8 +10,14 @@ h // (H // Hkv).
 Backends (pick once at start-up with `select_backend`, force one in tests):
   reference  plain loop over sequences, fp32 math: the ground truth, slow
   sdpa       torch SDPA on a padded [B, H, Lmax, D] view built by index arithmetic (CPU and GPU)
-  varlen     torch.nn.attention.varlen.varlen_attn (CUDA only)
-  flash      flash_attn.flash_attn_varlen_func (CUDA only, `pip install 'embedpipe[gpu]'`)
+  varlen     torch.nn.attention.varlen.varlen_attn (CUDA, torch >= 2.10, float16/bfloat16); its
+             keywords differ per release (2.10: is_causal; 2.11: scale, window_size; 2.12+: also
+             enable_gqa), read once from its signature
+  flash      flash_attn.flash_attn_varlen_func (CUDA, float16/bfloat16, `pip install 'embedpipe[gpu]'`)
+
+`varlen` and `flash` never read cu_seqlens on the host and take max_seqlen as a Python int, so
+they run inside CUDA graphs (the runner passes a static max_seqlen per bucket). "auto" picks
+flash, then varlen, then SDPA, and SDPA whenever the model is float32.
 """
 
 from __future__ import annotations

@@ -1,0 +1,492 @@
+#!/usr/bin/env python
+"""GPU check: one short run (< 5 minutes on an H100/H200) that measures what the GPU runtime promises.
+
+    python scripts/gpu_check.py                # CUDA: MiniLM-L6, BERT-base, Qwen3-0.6B configurations
+    python scripts/gpu_check.py --cpu-smoke    # tiny configurations on CPU in seconds (the test suite runs this)
+
+Writes `$OUT/gpu_check.json` when OUT is set, else `./gpu_check.json`, and prints one table.
+
+Everything is built in place, nothing is downloaded and no tokenizer travels: each model is a
+random-weight `transformers` model of the real configuration, and embedpipe's packed model gets
+the same weights through its own loader (mapping tables). Inputs are random token ids with a
+realistic length mix (lognormal, median 33, mean ~42, clipped to [4, 512]); every engine gets
+the same sequences, already tokenized. Per model:
+
+  parity     embedpipe bf16 graphed vs embedpipe fp32 eager (SDPA): min cosine over sequences;
+             also embedpipe fp32 vs transformers fp32, to show the weights were carried over
+  replay     graph replay vs eager on the same padded inputs: bit for bit, and max |diff|
+  tokens/s   real tokens per second, host-to-device and device-to-host copies included,
+             tokenization and batch building excluded, for
+               sentence-transformers  bf16, its modules' forward (Transformer -> Pooling ->
+                                      Normalize) on pre-tokenized, padded batches sorted by length
+                                      as `encode` sorts them: `encode` minus tokenization
+                                      (sentence-transformers needs a tokenizer on disk for that; the
+                                      script writes a word-level one over the vocabulary, only so
+                                      that the module loads). Best of a batch-size sweep.
+               transformers           bf16, AutoModel on length-sorted padded batches, pooling and
+                                      normalisation in torch. Best of the same sweep.
+               embedpipe eager        bf16, packed batches (max_tokens), exact shapes, no graphs
+               embedpipe graphed      bf16, bucketed shapes, one CUDA graph per bucket (captured
+                                      in an untimed first pass)
+  MFU        model FLOPs of the real tokens (the model's flops_per_token) per second, over the
+             measured bf16 matmul rate of this GPU (8192^3, not the datasheet)
+
+Targets (H100/H200 class): embedpipe graphed >= 3x sentence-transformers on MiniLM at the mixed
+lengths; >= 50 % MFU on Qwen3-0.6B at 512-token inputs. A row whose model family is not in
+embedpipe's registry (qwen3 before the models-arch branch lands) is skipped with a note; any
+other failure is recorded in its row and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
+
+from embedpipe.kernels import select_backend  # noqa: E402
+from embedpipe.models import MODEL_REGISTRY, build_head, load_state_dict_into, model_class  # noqa: E402
+from embedpipe.models.layers import attention_flops, matmul_params  # noqa: E402
+from embedpipe.models.st import STSpec  # noqa: E402
+from embedpipe.runtime.buckets import Bucketer  # noqa: E402
+from embedpipe.runtime.graphs import CudaGraphs, EagerGraphs, GraphCache  # noqa: E402
+from embedpipe.runtime.runners import DeviceRunner, EagerRunner  # noqa: E402
+from embedpipe.runtime.warmup import compare, run_batches  # noqa: E402
+from embedpipe.text.packer import TokenPacker  # noqa: E402
+from embedpipe.text.tokenizer import Tokenized  # noqa: E402
+
+TARGET_ST_SPEEDUP = 3.0  # embedpipe graphed / sentence-transformers, MiniLM, mixed lengths
+TARGET_MFU_512 = 0.5  # Qwen3-0.6B, 512-token inputs
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    model_type: str
+    config: dict  # transformers config fields
+    pooling: str  # mean | last
+    st_pooling: str  # sentence-transformers pooling mode
+    mixed: int  # sequences in the mixed-length set
+    parity: int  # sequences checked for parity
+    long: int = 0  # sequences of max_len tokens for the MFU row (0: no such row)
+    batch_sizes: tuple[int, ...] = (64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    specs: list[Spec]
+    max_len: int  # longest sequence; also the engine's max_seq_len
+    max_tokens: int  # engine token budget per batch
+    matmul_n: int
+    budget_s: float  # stop starting new measurements past this
+    sentence_transformers: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+GPU_SPECS = [
+    Spec("minilm-l6", "bert", dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                   intermediate_size=1536, max_position_embeddings=512),
+         pooling="mean", st_pooling="mean", mixed=30000, parity=2000),
+    Spec("bert-base", "bert", dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                   intermediate_size=3072, max_position_embeddings=512),
+         pooling="mean", st_pooling="mean", mixed=12000, parity=1000),
+    Spec("qwen3-0.6b", "qwen3", dict(vocab_size=151669, hidden_size=1024, num_hidden_layers=28,
+                                     num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                     intermediate_size=3072, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                     rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu"),
+         pooling="last", st_pooling="lasttoken", mixed=4000, parity=500, long=512, batch_sizes=(16, 32, 64, 128)),
+]
+SMOKE_SPECS = [
+    Spec("minilm-l6 (tiny)", "bert", dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          intermediate_size=64, max_position_embeddings=128),
+         pooling="mean", st_pooling="mean", mixed=96, parity=48, batch_sizes=(16, 32)),
+    Spec("qwen3 (tiny)", "qwen3", dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                       max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True),
+         pooling="last", st_pooling="lasttoken", mixed=64, parity=32, long=32, batch_sizes=(16, 32)),
+]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def mixed_lengths(n: int, *, max_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Lognormal(3.5, 0.7) token counts clipped to [4, max_len]: median ~33, mean ~42, a tail to max_len."""
+    return np.clip(np.round(rng.lognormal(3.5, 0.7, n)), 4, max_len).astype(np.int64)
+
+
+def random_tokens(lengths: np.ndarray, *, vocab: int, rng: np.random.Generator) -> Tokenized:
+    ids = rng.integers(1, vocab, int(lengths.sum()), dtype=np.int64)
+    return Tokenized(ids=ids, lengths=lengths, truncated=np.zeros(lengths.size, dtype=bool))
+
+
+def padded_batches(tok: Tokenized, batch_size: int) -> list[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+    """Longest first (as sentence-transformers' encode sorts), right-padded: (rows, ids [b, L], mask [b, L])."""
+    order = np.argsort(-tok.lengths, kind="stable")
+    starts = tok.starts
+    out = []
+    for i in range(0, order.size, batch_size):
+        rows = order[i:i + batch_size]
+        L = int(tok.lengths[rows].max())
+        ids = torch.zeros(rows.size, L, dtype=torch.long)
+        mask = torch.zeros(rows.size, L, dtype=torch.long)
+        for j, r in enumerate(rows.tolist()):  # batch building is outside every timed region
+            n = int(tok.lengths[r])
+            ids[j, :n] = torch.from_numpy(tok.ids[starts[r]:starts[r] + n])
+            mask[j, :n] = 1
+        out.append((rows, ids, mask))
+    return out
+
+
+# --------------------------------------------------------------------------- models
+
+
+def hf_model(spec: Spec, *, device: str):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(spec.model_type, **spec.config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModel.from_config(config)
+    return model.float().eval().requires_grad_(False)
+
+
+def embedpipe_model(hf, spec: Spec, *, dtype: torch.dtype, device: str, backend: str):
+    cls = model_class(spec.model_type)
+    config = cls.config_class.from_hf_config(hf.config.to_dict())
+    with torch.device("meta"):
+        model = cls(config, attention_backend=backend)
+    load_state_dict_into(model, hf.state_dict(), dtype=dtype, device=device)
+    head = build_head(STSpec(pooling=spec.pooling, normalize=True), default_pooling=cls.default_pooling).to(device)
+    return model, head
+
+
+def sentence_transformer(hf_bf16, spec: Spec, *, device: str, folder: Path):
+    """sentence-transformers around the same weights: its Transformer module loads from a folder, so
+    the bf16 model is saved there with a word-level tokenizer over the vocabulary (never used)."""
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {f"t{i}": i for i in range(hf_bf16.config.vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0").save_pretrained(folder)
+    hf_bf16.save_pretrained(folder)
+    modules = [models.Transformer(str(folder)), models.Pooling(hf_bf16.config.hidden_size, spec.st_pooling),
+               models.Normalize()]
+    return SentenceTransformer(modules=modules, device=device).to(torch.bfloat16).eval()
+
+
+def flops_per_token(model, hf_config, seq_len: int) -> float:
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token(seq_len))
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2.0 * matmul_params(model) + attention_flops(layers=hf_config.num_hidden_layers, heads=heads,
+                                                        head_dim=head_dim, context=seq_len)
+
+
+def model_flops(model, hf_config, lengths: np.ndarray) -> float:
+    values, counts = np.unique(lengths, return_counts=True)
+    return float(sum(int(L) * int(c) * flops_per_token(model, hf_config, int(L)) for L, c in zip(values, counts)))
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def engine(model, head, *, plan: Plan, graphed: bool, bucketed: bool | None = None) -> DeviceRunner:
+    cache = None
+    if graphed:
+        backend = CudaGraphs(plan.device) if plan.device.startswith("cuda") else EagerGraphs()
+        cache = GraphCache(backend, max_graphs=64, max_bytes=16 << 30, warmup_runs=2)
+    return DeviceRunner(model, head, device=plan.device, bucketer=Bucketer(max_tokens=plan.max_tokens,
+                                                                           max_seq_len=plan.max_len),
+                        bucketed=graphed if bucketed is None else bucketed, graphs=cache)
+
+
+def run_engine(runner, batches) -> None:
+    results = [runner.submit(b) for b in batches]  # the ring bounds what is in flight
+    for r in results:
+        r.get()
+
+
+@torch.inference_mode()
+def run_padded(forward, batches, device: str) -> None:
+    for _, ids, mask in batches:
+        forward(ids.to(device), mask.to(device)).float().cpu()
+
+
+def hf_forward(hf, pooling: str):
+    def forward(ids, mask):
+        h = hf(input_ids=ids, attention_mask=mask).last_hidden_state  # [b, L, H]
+        if pooling == "mean":
+            m = mask[..., None].to(h.dtype)
+            x = (h * m).sum(1).float() / m.sum(1).float()
+        else:
+            x = h[torch.arange(h.shape[0], device=h.device), mask.sum(1) - 1].float()
+        return F.normalize(x, dim=-1)
+
+    return forward
+
+
+def st_forward(st):
+    def forward(ids, mask):
+        return st({"input_ids": ids, "attention_mask": mask})["sentence_embedding"]
+
+    return forward
+
+
+def sweep(forward, padded: dict, tokens: int, device: str) -> dict:
+    """tokens/s per batch size (after one warmup batch each); the best one."""
+    per = {}
+    for bs, batches in padded.items():
+        run_padded(forward, batches[:1], device)  # warm: kernels, allocator
+        per[bs] = tokens / timed(lambda: run_padded(forward, batches, device), device)
+    best = max(per, key=per.get)
+    return {"tokens_per_s": per[best], "batch_size": best, "sweep": {str(k): round(v) for k, v in per.items()}}
+
+
+def matmul_rate(device: str, n: int) -> float:
+    """Measured dense bf16 matmul FLOP/s (the MFU denominator)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
+    reps = 20 if device.startswith("cuda") else 3
+    a @ b
+    seconds = timed(lambda: [a @ b for _ in range(reps)], device)
+    return 2.0 * n**3 * reps / seconds
+
+
+# --------------------------------------------------------------------------- one model
+
+
+def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Path) -> dict:
+    row: dict = {"model": spec.name, "model_type": spec.model_type}
+    if spec.model_type not in MODEL_REGISTRY:
+        row["skipped"] = (f"{spec.model_type!r} is not in embedpipe's model registry yet "
+                          f"(known: {sorted(MODEL_REGISTRY)}; it comes with the models-arch branch)")
+        return row
+    dev, rng = plan.device, np.random.default_rng(0)
+    vocab = spec.config["vocab_size"]
+    mixed = random_tokens(mixed_lengths(spec.mixed, max_len=plan.max_len, rng=rng), vocab=vocab, rng=rng)
+    row["mixed"] = {"sequences": spec.mixed, "tokens": int(mixed.lengths.sum()),
+                    "mean_len": round(float(mixed.lengths.mean()), 1), "max_len": int(mixed.lengths.max())}
+    packer = TokenPacker(max_tokens=plan.max_tokens, sort_window=4096)
+
+    hf = hf_model(spec, device=dev)
+    hf_config = hf.config
+    backend = select_backend(device=dev, requested="auto", dtype=torch.bfloat16)
+    row["attention_backend"] = backend
+    fast_model, fast_head = embedpipe_model(hf, spec, dtype=torch.bfloat16, device=dev, backend=backend)
+    ref_model, ref_head = embedpipe_model(hf, spec, dtype=torch.float32, device=dev, backend="sdpa")
+
+    # parity: bf16 graphed vs fp32 eager; fp32 vs transformers fp32 (weights carried over)
+    sub = random_tokens(mixed.lengths[:spec.parity], vocab=vocab, rng=rng)
+    sub_batches = packer(sub)
+    graphed = engine(fast_model, fast_head, plan=plan, graphed=True)
+    fast = run_batches(graphed, sub_batches, spec.parity)
+    ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), sub_batches, spec.parity)
+    row["parity_min_cosine"] = compare(fast, ref).min_cosine
+    few = random_tokens(mixed.lengths[:32], vocab=vocab, rng=rng)
+    with torch.inference_mode():
+        hf_ref = torch.cat([hf_forward(hf, spec.pooling)(ids.to(dev), mask.to(dev)).cpu()
+                            for _, ids, mask in padded_batches(few, 32)])
+    order = np.concatenate([rows for rows, _, _ in padded_batches(few, 32)])
+    ours_ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), packer(few), 32)[torch.as_tensor(order)]
+    row["fp32_vs_transformers_min_cosine"] = compare(ours_ref, hf_ref).min_cosine
+    del ref_model, ref_head, ref
+
+    # replay vs eager on the same padded inputs
+    eager_padded = run_batches(engine(fast_model, fast_head, plan=plan, graphed=False, bucketed=True),
+                               sub_batches, spec.parity)
+    replayed = run_batches(graphed, sub_batches, spec.parity)
+    row["replay_bitwise_equal"] = bool(torch.equal(replayed, eager_padded))
+    row["replay_max_abs_diff"] = float((replayed - eager_padded).abs().max())
+
+    # throughput at mixed lengths
+    tokens = int(mixed.lengths.sum())
+    flops = model_flops(fast_model, hf_config, mixed.lengths)
+    batches = packer(mixed)
+    speeds: dict = {}
+    staged = engine(fast_model, fast_head, plan=plan, graphed=False)
+    run_engine(staged, batches[:2])
+    speeds["embedpipe_eager"] = {"tokens_per_s": tokens / timed(lambda: run_engine(staged, batches), dev)}
+    capture_s = timed(lambda: run_engine(graphed, batches), dev)  # first pass captures the graphs
+    speeds["embedpipe_graphed"] = {"tokens_per_s": tokens / timed(lambda: run_engine(graphed, batches), dev),
+                                   "graphs": len(graphed.graphs.graphs),
+                                   "graph_mib": round(graphed.graphs.nbytes / 2**20, 1),
+                                   "first_pass_s": round(capture_s, 3),
+                                   "padded_tokens": sum(graphed.shape(b).tokens for b in batches)}
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    del hf
+    padded = {bs: padded_batches(mixed, bs) for bs in spec.batch_sizes}
+    if time.perf_counter() - started < plan.budget_s:
+        speeds["transformers"] = sweep(hf_forward(hf_bf16, spec.pooling), padded, tokens, dev)
+    else:
+        speeds["transformers"] = {"skipped": "time budget"}
+    if not plan.sentence_transformers:
+        speeds["sentence_transformers"] = {"skipped": "sentence-transformers is not installed"}
+    elif time.perf_counter() - started < plan.budget_s:
+        try:
+            st = sentence_transformer(hf_bf16, spec, device=dev, folder=workdir / spec.name.split()[0])
+            speeds["sentence_transformers"] = sweep(st_forward(st), padded, tokens, dev)
+            del st
+        except Exception as e:  # noqa: BLE001 - recorded, the other rows still count
+            speeds["sentence_transformers"] = {"error": f"{type(e).__name__}: {e}"}
+    else:
+        speeds["sentence_transformers"] = {"skipped": "time budget"}
+    for s in speeds.values():
+        if "tokens_per_s" in s:
+            s["mfu"] = flops / tokens * s["tokens_per_s"] / peak
+    row["speed"] = speeds
+    st_speed = speeds["sentence_transformers"].get("tokens_per_s")
+    if st_speed:
+        row["graphed_vs_sentence_transformers"] = speeds["embedpipe_graphed"]["tokens_per_s"] / st_speed
+    del hf_bf16
+
+    # MFU at long inputs
+    if spec.long:
+        lengths = np.full(spec.long, plan.max_len, dtype=np.int64)
+        long_tok = random_tokens(lengths, vocab=vocab, rng=rng)
+        long_batches = packer(long_tok)
+        run_engine(graphed, long_batches)  # capture
+        seconds = timed(lambda: run_engine(graphed, long_batches), dev)
+        long_tokens = int(lengths.sum())
+        row["long"] = {"seq_len": plan.max_len, "sequences": spec.long, "tokens_per_s": long_tokens / seconds,
+                       "mfu": model_flops(fast_model, hf_config, lengths) / seconds / peak}
+    return row
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x, spec: str = ",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("model", "parity", "replay==eager", "ST tok/s", "HF tok/s", "eager tok/s", "graphed tok/s",
+            "graphed/ST", "MFU graphed", "MFU @512")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            lines.append(f"{r['model']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"))
+            continue
+        s = r["speed"]
+        st = s["sentence_transformers"]
+        hf = s["transformers"]
+        lines.append(" | ".join([
+            r["model"], f"{r['parity_min_cosine']:.6f}", str(r["replay_bitwise_equal"]),
+            _fmt(st.get("tokens_per_s")) + (f" (bs {st['batch_size']})" if "batch_size" in st else ""),
+            _fmt(hf.get("tokens_per_s")) + (f" (bs {hf['batch_size']})" if "batch_size" in hf else ""),
+            _fmt(s["embedpipe_eager"]["tokens_per_s"]), _fmt(s["embedpipe_graphed"]["tokens_per_s"]),
+            _fmt(r.get("graphed_vs_sentence_transformers"), ".2f") + ("x" if "graphed_vs_sentence_transformers" in r else ""),
+            _fmt(s["embedpipe_graphed"].get("mfu"), ".1%"), _fmt(r.get("long", {}).get("mfu"), ".1%"),
+        ]))
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> dict:
+    by = {r["model"]: r for r in rows}
+    minilm, qwen = by.get("minilm-l6", {}), by.get("qwen3-0.6b", {})
+    speedup = minilm.get("graphed_vs_sentence_transformers")
+    mfu = qwen.get("long", {}).get("mfu")
+    return {
+        "minilm_graphed_vs_sentence_transformers": {"target": TARGET_ST_SPEEDUP, "value": speedup,
+                                                    "met": None if speedup is None else speedup >= TARGET_ST_SPEEDUP},
+        "qwen3_0.6b_mfu_at_512": {"target": TARGET_MFU_512, "value": mfu,
+                                  "met": None if mfu is None else mfu >= TARGET_MFU_512},
+    }
+
+
+def environment(plan: Plan) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": plan.device,
+           "cuda": torch.version.cuda}
+    if plan.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    for name in ("transformers", "sentence_transformers", "flash_attn"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: say so
+            env[name] = None
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny configurations on CPU, seconds")
+    parser.add_argument("--out", help="JSON path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds after which no new sweep starts")
+    args = parser.parse_args(argv)
+    if args.cpu_smoke:
+        plan = Plan(device="cpu", specs=SMOKE_SPECS, max_len=128, max_tokens=512, matmul_n=256,
+                    budget_s=args.budget or 120, notes=["cpu smoke: tiny sizes, graphs are the CPU stand-in"])
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --cpu-smoke for the CPU smoke test", file=sys.stderr)
+            return 2
+        plan = Plan(device="cuda", specs=GPU_SPECS, max_len=512, max_tokens=8192, matmul_n=8192,
+                    budget_s=args.budget or 210)
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        plan = dataclasses.replace(plan, sentence_transformers=False)
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / "gpu_check.json"
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    peak = matmul_rate(plan.device, plan.matmul_n)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        for spec in plan.specs:
+            t0 = time.perf_counter()
+            try:
+                row = check_model(spec, plan, peak, started, Path(tmp))
+            except Exception as e:  # noqa: BLE001 - one model's failure is a result, not the end
+                row = {"model": spec.name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            if plan.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    report = {"environment": environment(plan), "matmul_bf16_flops": peak, "notes": plan.notes + [__doc__],
+              "rows": rows, "targets": targets(rows), "seconds": round(time.perf_counter() - started, 1)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"bf16 matmul: {peak / 1e12:.1f} TFLOP/s measured on {report['environment'].get('gpu', plan.device)}")
+    print(table(rows))
+    print(json.dumps(report["targets"]))
+    print(f"wrote {out} in {report['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
