@@ -40,6 +40,7 @@ other failure is recorded in its row and the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -290,100 +291,126 @@ def matmul_rate(device: str, n: int) -> float:
 # --------------------------------------------------------------------------- one model
 
 
+class Steps:
+    """`with steps("name"):` runs one measurement; a failure is recorded in row["errors"] and the run goes on."""
+
+    def __init__(self, row: dict):
+        self.row = row
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a failed measurement is a result, not the end
+            self.row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-4)}"
+            print(f"  {self.row['model']}: {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def failed(self, name: str) -> bool:
+        return name in self.row.get("errors", {})
+
+
 def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Path) -> dict:
     row: dict = {"model": spec.name, "model_type": spec.model_type}
     if spec.model_type not in MODEL_REGISTRY:
         row["skipped"] = (f"{spec.model_type!r} is not in embedpipe's model registry yet "
                           f"(known: {sorted(MODEL_REGISTRY)}; it comes with the models-arch branch)")
         return row
-    dev, rng = plan.device, np.random.default_rng(0)
+    dev, rng, steps = plan.device, np.random.default_rng(0), Steps(row)
     vocab = spec.config["vocab_size"]
     mixed = random_tokens(mixed_lengths(spec.mixed, max_len=plan.max_len, rng=rng), vocab=vocab, rng=rng)
     row["mixed"] = {"sequences": spec.mixed, "tokens": int(mixed.lengths.sum()),
                     "mean_len": round(float(mixed.lengths.mean()), 1), "max_len": int(mixed.lengths.max())}
     packer = TokenPacker(max_tokens=plan.max_tokens, sort_window=4096)
+    sub = random_tokens(mixed.lengths[:spec.parity], vocab=vocab, rng=rng)
+    sub_batches = packer(sub)
 
     hf = hf_model(spec, device=dev)
     hf_config = hf.config
-    backend = select_backend(device=dev, requested="auto", dtype=torch.bfloat16)
-    row["attention_backend"] = backend
-    fast_model, fast_head = embedpipe_model(hf, spec, dtype=torch.bfloat16, device=dev, backend=backend)
     ref_model, ref_head = embedpipe_model(hf, spec, dtype=torch.float32, device=dev, backend="sdpa")
-
-    # parity: bf16 graphed vs fp32 eager; fp32 vs transformers fp32 (weights carried over)
-    sub = random_tokens(mixed.lengths[:spec.parity], vocab=vocab, rng=rng)
-    sub_batches = packer(sub)
-    graphed = engine(fast_model, fast_head, plan=plan, graphed=True)
-    fast = run_batches(graphed, sub_batches, spec.parity)
     ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), sub_batches, spec.parity)
-    row["parity_min_cosine"] = compare(fast, ref).min_cosine
-    few = random_tokens(mixed.lengths[:32], vocab=vocab, rng=rng)
-    with torch.inference_mode():
-        hf_ref = torch.cat([hf_forward(hf, spec.pooling)(ids.to(dev), mask.to(dev)).cpu()
-                            for _, ids, mask in padded_batches(few, 32)])
-    order = np.concatenate([rows for rows, _, _ in padded_batches(few, 32)])
-    ours_ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), packer(few), 32)[torch.as_tensor(order)]
-    row["fp32_vs_transformers_min_cosine"] = compare(ours_ref, hf_ref).min_cosine
-    del ref_model, ref_head, ref
 
-    # replay vs eager on the same padded inputs
-    eager_padded = run_batches(engine(fast_model, fast_head, plan=plan, graphed=False, bucketed=True),
-                               sub_batches, spec.parity)
-    replayed = run_batches(graphed, sub_batches, spec.parity)
-    row["replay_bitwise_equal"] = bool(torch.equal(replayed, eager_padded))
-    row["replay_max_abs_diff"] = float((replayed - eager_padded).abs().max())
+    with steps("fp32 vs transformers"):
+        few = random_tokens(mixed.lengths[:32], vocab=vocab, rng=rng)
+        with torch.inference_mode():
+            padded = padded_batches(few, 32)
+            hf_ref = torch.cat([hf_forward(hf, spec.pooling)(ids.to(dev), mask.to(dev)).cpu() for _, ids, mask in padded])
+        order = torch.as_tensor(np.concatenate([rows for rows, _, _ in padded]))
+        ours = run_batches(EagerRunner(ref_model, ref_head, device=dev), packer(few), 32)[order]
+        row["fp32_vs_transformers_min_cosine"] = compare(ours, hf_ref).min_cosine
+    del ref_model, ref_head
 
-    # throughput at mixed lengths
-    tokens = int(mixed.lengths.sum())
-    flops = model_flops(fast_model, hf_config, mixed.lengths)
-    batches = packer(mixed)
-    speeds: dict = {}
-    staged = engine(fast_model, fast_head, plan=plan, graphed=False)
-    run_engine(staged, batches[:2])
-    speeds["embedpipe_eager"] = {"tokens_per_s": tokens / timed(lambda: run_engine(staged, batches), dev)}
-    capture_s = timed(lambda: run_engine(graphed, batches), dev)  # first pass captures the graphs
-    speeds["embedpipe_graphed"] = {"tokens_per_s": tokens / timed(lambda: run_engine(graphed, batches), dev),
-                                   "graphs": len(graphed.graphs.graphs),
-                                   "graph_mib": round(graphed.graphs.nbytes / 2**20, 1),
-                                   "first_pass_s": round(capture_s, 3),
-                                   "padded_tokens": sum(graphed.shape(b).tokens for b in batches)}
+    # the fast path: the auto attention backend, else SDPA if that one fails here
+    graphed = None
+    for backend in dict.fromkeys([select_backend(device=dev, requested="auto", dtype=torch.bfloat16), "sdpa"]):
+        with steps(f"parity ({backend})"):
+            fast_model, fast_head = embedpipe_model(hf, spec, dtype=torch.bfloat16, device=dev, backend=backend)
+            runner = engine(fast_model, fast_head, plan=plan, graphed=True)
+            row["parity_min_cosine"] = compare(run_batches(runner, sub_batches, spec.parity), ref).min_cosine
+            row["attention_backend"], graphed = backend, runner
+        if graphed is not None:
+            break
     hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    del hf
+    del hf, ref
+    speeds: dict = {}
+    row["speed"] = speeds
+    tokens = int(mixed.lengths.sum())
+    flops = None
+    batches = packer(mixed)
+
+    if graphed is not None:
+        flops = model_flops(fast_model, hf_config, mixed.lengths)
+        with steps("replay vs eager"):
+            eager_padded = run_batches(engine(fast_model, fast_head, plan=plan, graphed=False, bucketed=True),
+                                       sub_batches, spec.parity)
+            replayed = run_batches(graphed, sub_batches, spec.parity)
+            row["replay_bitwise_equal"] = bool(torch.equal(replayed, eager_padded))
+            row["replay_max_abs_diff"] = float((replayed - eager_padded).abs().max())
+        with steps("embedpipe eager"):
+            staged = engine(fast_model, fast_head, plan=plan, graphed=False)
+            run_engine(staged, batches[:2])
+            speeds["embedpipe_eager"] = {"tokens_per_s": tokens / timed(lambda: run_engine(staged, batches), dev)}
+        with steps("embedpipe graphed"):
+            capture_s = timed(lambda: run_engine(graphed, batches), dev)  # first pass captures the graphs
+            speeds["embedpipe_graphed"] = {
+                "tokens_per_s": tokens / timed(lambda: run_engine(graphed, batches), dev),
+                "graphs": len(graphed.graphs.graphs), "graph_mib": round(graphed.graphs.nbytes / 2**20, 1),
+                "first_pass_s": round(capture_s, 3), "padded_tokens": sum(graphed.shape(b).tokens for b in batches)}
+        if spec.long:
+            with steps("long inputs"):
+                lengths = np.full(spec.long, plan.max_len, dtype=np.int64)
+                long_batches = packer(random_tokens(lengths, vocab=vocab, rng=rng))
+                run_engine(graphed, long_batches)  # capture
+                seconds = timed(lambda: run_engine(graphed, long_batches), dev)
+                row["long"] = {"seq_len": plan.max_len, "sequences": spec.long,
+                               "tokens_per_s": int(lengths.sum()) / seconds,
+                               "mfu": model_flops(fast_model, hf_config, lengths) / seconds / peak}
+        del fast_model, fast_head, graphed
+
     padded = {bs: padded_batches(mixed, bs) for bs in spec.batch_sizes}
-    if time.perf_counter() - started < plan.budget_s:
-        speeds["transformers"] = sweep(hf_forward(hf_bf16, spec.pooling), padded, tokens, dev)
-    else:
+    if time.perf_counter() - started > plan.budget_s:
         speeds["transformers"] = {"skipped": "time budget"}
+    else:
+        with steps("transformers"):
+            speeds["transformers"] = sweep(hf_forward(hf_bf16, spec.pooling), padded, tokens, dev)
     if not plan.sentence_transformers:
         speeds["sentence_transformers"] = {"skipped": "sentence-transformers is not installed"}
-    elif time.perf_counter() - started < plan.budget_s:
-        try:
+    elif time.perf_counter() - started > plan.budget_s:
+        speeds["sentence_transformers"] = {"skipped": "time budget"}
+    else:
+        with steps("sentence-transformers"):
             st = sentence_transformer(hf_bf16, spec, device=dev, folder=workdir / spec.name.split()[0])
             speeds["sentence_transformers"] = sweep(st_forward(st), padded, tokens, dev)
             del st
-        except Exception as e:  # noqa: BLE001 - recorded, the other rows still count
-            speeds["sentence_transformers"] = {"error": f"{type(e).__name__}: {e}"}
-    else:
-        speeds["sentence_transformers"] = {"skipped": "time budget"}
-    for s in speeds.values():
-        if "tokens_per_s" in s:
-            s["mfu"] = flops / tokens * s["tokens_per_s"] / peak
-    row["speed"] = speeds
-    st_speed = speeds["sentence_transformers"].get("tokens_per_s")
-    if st_speed:
-        row["graphed_vs_sentence_transformers"] = speeds["embedpipe_graphed"]["tokens_per_s"] / st_speed
+    if flops is None:  # the engine failed: count the transformers model's matmuls instead
+        flops = model_flops(hf_bf16, hf_config, mixed.lengths)
     del hf_bf16
-
-    # MFU at long inputs
-    if spec.long:
-        lengths = np.full(spec.long, plan.max_len, dtype=np.int64)
-        long_tok = random_tokens(lengths, vocab=vocab, rng=rng)
-        long_batches = packer(long_tok)
-        run_engine(graphed, long_batches)  # capture
-        seconds = timed(lambda: run_engine(graphed, long_batches), dev)
-        long_tokens = int(lengths.sum())
-        row["long"] = {"seq_len": plan.max_len, "sequences": spec.long, "tokens_per_s": long_tokens / seconds,
-                       "mfu": model_flops(fast_model, hf_config, lengths) / seconds / peak}
+    for s in speeds.values():
+        if "tokens_per_s" in s and flops is not None:
+            s["mfu"] = flops / tokens * s["tokens_per_s"] / peak
+    st_speed = speeds.get("sentence_transformers", {}).get("tokens_per_s")
+    ours = speeds.get("embedpipe_graphed", {}).get("tokens_per_s")
+    if st_speed and ours:
+        row["graphed_vs_sentence_transformers"] = ours / st_speed
     return row
 
 
@@ -396,22 +423,26 @@ def _fmt(x, spec: str = ",.0f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "parity", "replay==eager", "ST tok/s", "HF tok/s", "eager tok/s", "graphed tok/s",
-            "graphed/ST", "MFU graphed", "MFU @512")
+            "graphed/ST", "MFU graphed", "MFU @512", "errors")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
-        if "skipped" in r or "error" in r:
-            lines.append(f"{r['model']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"))
+        if "skipped" in r or "speed" not in r:
+            lines.append(f"{r['model']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error')}"))
             continue
         s = r["speed"]
-        st = s["sentence_transformers"]
-        hf = s["transformers"]
+
+        def speed(name: str) -> str:
+            got = s.get(name, {})
+            text = _fmt(got.get("tokens_per_s"))
+            return text + (f" (bs {got['batch_size']})" if "batch_size" in got else "")
+
+        ratio = r.get("graphed_vs_sentence_transformers")
         lines.append(" | ".join([
-            r["model"], f"{r['parity_min_cosine']:.6f}", str(r["replay_bitwise_equal"]),
-            _fmt(st.get("tokens_per_s")) + (f" (bs {st['batch_size']})" if "batch_size" in st else ""),
-            _fmt(hf.get("tokens_per_s")) + (f" (bs {hf['batch_size']})" if "batch_size" in hf else ""),
-            _fmt(s["embedpipe_eager"]["tokens_per_s"]), _fmt(s["embedpipe_graphed"]["tokens_per_s"]),
-            _fmt(r.get("graphed_vs_sentence_transformers"), ".2f") + ("x" if "graphed_vs_sentence_transformers" in r else ""),
-            _fmt(s["embedpipe_graphed"].get("mfu"), ".1%"), _fmt(r.get("long", {}).get("mfu"), ".1%"),
+            r["model"], _fmt(r.get("parity_min_cosine"), ".6f"), str(r.get("replay_bitwise_equal", "-")),
+            speed("sentence_transformers"), speed("transformers"), speed("embedpipe_eager"),
+            speed("embedpipe_graphed"), "-" if ratio is None else f"{ratio:.2f}x",
+            _fmt(s.get("embedpipe_graphed", {}).get("mfu"), ".1%"), _fmt(r.get("long", {}).get("mfu"), ".1%"),
+            ", ".join(r.get("errors", {})) or "-",
         ]))
     return "\n".join(lines)
 

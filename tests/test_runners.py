@@ -15,7 +15,7 @@ from embedpipe.text.packer import TokenPacker
 from embedpipe.text.tokenizer import Tokenized
 from tests.model_helpers import save_tiny_bert
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 MAX_SEQ_LEN, MAX_TOKENS, N = 128, 1024, 150
 
 
@@ -75,11 +75,27 @@ def test_dummy_rows_are_dropped_and_padding_is_counted(tiny_dir, batches):
     assert runner.graphs.stats.captures == len({runner.shape(b) for b in batches})  # one graph per shape
 
 
-def test_graph_replay_equals_eager_on_the_same_padded_inputs(tiny_dir, batches):
-    model, head = _model(tiny_dir)
-    eager = run_batches(_device_runner(model, head, graphs=False), batches, N)  # bucketed, no graphs
-    graphed = run_batches(_device_runner(model, head), batches, N)
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_replay_equals_eager_on_the_same_padded_inputs(tiny_dir, batches, device):
+    model, head = _model(tiny_dir, device=device, dtype=torch.bfloat16, backend="auto")
+    eager = run_batches(_device_runner(model, head, device=device, graphs=False), batches, N)  # bucketed, no graphs
+    graphed = run_batches(_device_runner(model, head, device=device), batches, N)
     assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "staged"])
+def test_fast_path_bf16_matches_fp32_eager(tiny_dir, batches, device, cuda_graphs):
+    ref_model, ref_head = _model(tiny_dir, device=device, backend="sdpa")
+    want = run_batches(EagerRunner(ref_model, ref_head, device=device), batches, N)
+    model, head = _model(tiny_dir, device=device, dtype=torch.bfloat16, backend="auto")  # varlen / flash on CUDA
+    if device == "cuda":
+        runner = build_runner(model, head, device=device, max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
+                              settings=RunnerSettings(cuda_graphs=cuda_graphs))
+    else:  # the same runner class with the CPU graph stand-in
+        runner = _device_runner(model, head, graphs=cuda_graphs, bucketed=cuda_graphs)
+    assert runner.name == ("graphed" if cuda_graphs else "staged")
+    assert compare(run_batches(runner, batches, N), want).min_cosine > 0.999
 
 
 def test_staged_exact_shapes_equal_the_eager_runner(tiny_dir, batches):
@@ -111,24 +127,3 @@ def test_cpu_gets_the_eager_runner(tiny_dir):
     runner = build_runner(model, head, device="cpu", max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
                           settings=RunnerSettings())
     assert isinstance(runner, EagerRunner)
-
-
-@CUDA
-@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphed", "staged"])
-def test_cuda_runner_bf16_matches_fp32_eager(tiny_dir, batches, cuda_graphs):
-    ref_model, ref_head = _model(tiny_dir, device="cuda", backend="sdpa")
-    want = run_batches(EagerRunner(ref_model, ref_head, device="cuda"), batches, N)
-    model, head = _model(tiny_dir, device="cuda", dtype=torch.bfloat16, backend="auto")
-    runner = build_runner(model, head, device="cuda", max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
-                          settings=RunnerSettings(cuda_graphs=cuda_graphs))
-    assert runner.name == ("graphed" if cuda_graphs else "staged")
-    got = run_batches(runner, batches, N)
-    assert compare(got, want).min_cosine > 0.999
-
-
-@CUDA
-def test_cuda_graph_replay_equals_eager_bit_for_bit(tiny_dir, batches):
-    model, head = _model(tiny_dir, device="cuda", dtype=torch.bfloat16, backend="auto")
-    eager = run_batches(_device_runner(model, head, device="cuda", graphs=False), batches, N)
-    graphed = run_batches(_device_runner(model, head, device="cuda"), batches, N)
-    assert torch.equal(graphed, eager)
