@@ -112,3 +112,15 @@ def test_fill_refuses_a_shape_that_is_too_small():
     batch = TokenPacker(max_tokens=100, sort_window=8)(tokenized([50, 40]))[0]
     with pytest.raises(ValueError, match="does not fit"):
         fill_inputs(np.zeros(1000, dtype=np.int32), batch, Shape(tokens=64, seqs=8, seqlen=64))
+
+
+def test_a_realistic_mix_needs_few_graphs_and_little_padding():
+    """Lognormal lengths (mean ~42, tail to 512), default buckets: well under runtime.max_graphs, ~1 % padding."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.round(rng.lognormal(3.5, 0.7, 40_000)), 4, 512).astype(np.int64)
+    tok = Tokenized(ids=np.ones(int(lengths.sum()), np.int64), lengths=lengths, truncated=np.zeros(lengths.size, bool))
+    bucketer = Bucketer(max_tokens=8192, max_seq_len=512)
+    shapes = [bucketer.shape(num_tokens=b.num_tokens, num_seqs=b.num_seqs, max_seqlen=b.max_seqlen)
+              for b in TokenPacker(max_tokens=8192, sort_window=4096)(tok)]
+    assert len(set(shapes)) <= 16  # runtime.max_graphs defaults to 32
+    assert sum(s.tokens for s in shapes) / lengths.sum() < 1.05
