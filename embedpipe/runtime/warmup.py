@@ -120,7 +120,8 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
         return None
     texts = sample_texts()
     batches = encoder.packer(encoder.tokenizer(texts))
-    ref = load_model(encoder.model_dir, dtype=torch.float32, device=encoder.device, attention_backend="sdpa")
+    ref = load_model(encoder.model_dir, dtype=torch.float32, device=encoder.device, attention_backend="sdpa",
+                     allow_pickle=getattr(settings, "allow_pickle", False))
     head = ref.build_head(pooling=settings.pooling, normalize=settings.normalize)
     try:
         return check(fast=encoder.runner, reference=EagerRunner(ref.model, head, device=encoder.device),
