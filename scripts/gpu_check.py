@@ -173,7 +173,7 @@ def embedpipe_model(hf, spec: Spec, *, dtype: torch.dtype, device: str, backend:
     with torch.device("meta"):
         model = cls(config, attention_backend=backend)
     load_state_dict_into(model, hf.state_dict(), dtype=dtype, device=device)
-    head = build_head(STSpec(pooling=spec.pooling, normalize=True), default_pooling=cls.default_pooling).to(device)
+    head = build_head(STSpec(pooling=spec.pooling, normalize=True), default_pooling=model.default_pooling).to(device)
     return model, head
 
 
@@ -428,7 +428,7 @@ def _fmt(x, spec: str = ",.0f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "parity", "replay==eager", "ST tok/s", "HF tok/s", "eager tok/s", "graphed tok/s",
-            "graphed/ST", "MFU graphed", "MFU @512", "errors")
+            "graphed/ST", "MFU graphed", "MFU long", "errors")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         if "skipped" in r or "speed" not in r:

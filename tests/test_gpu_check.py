@@ -27,5 +27,6 @@ def test_gpu_check_cpu_smoke(tmp_path):
     assert bert["speed"]["embedpipe_graphed"]["padded_tokens"] >= bert["mixed"]["tokens"]
     qwen = rows["qwen3 (tiny)"]
     assert "error" not in qwen, qwen.get("traceback")
-    assert "skipped" in qwen or qwen["long"]["mfu"] > 0  # skipped until qwen3 is registered
+    assert qwen["parity_min_cosine"] > 0.999 and qwen["fp32_vs_transformers_min_cosine"] > 0.99999
+    assert qwen["replay_bitwise_equal"] is True and qwen["long"]["mfu"] > 0
     assert set(report["targets"]) == {"minilm_graphed_vs_sentence_transformers", "qwen3_0.6b_mfu_at_512"}

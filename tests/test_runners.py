@@ -64,6 +64,19 @@ def test_bucketed_graphed_runner_matches_eager(tiny_dir, batches, pooling):
     assert runner.name == "graphed" and runner.graphs.stats.captures == len(runner.graphs.graphs)
 
 
+def test_causal_decoder_with_last_token_pooling_through_buckets(tmp_path, batches):
+    """Qwen3 (causal, GQA, RoPE): dummy and empty sequences after the real ones change nothing."""
+    from tests.test_models_qwen3 import tiny_hf
+
+    tiny_hf().save_pretrained(tmp_path, safe_serialization=True)
+    lm = load_model(tmp_path, attention_backend="sdpa")
+    head = lm.build_head()  # no Pooling module: a causal model pools its last token
+    assert head.pooling == "last"
+    want = run_batches(EagerRunner(lm.model, head, device="cpu"), batches, N)
+    got = run_batches(_device_runner(lm.model, head), batches, N)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_dummy_rows_are_dropped_and_padding_is_counted(tiny_dir, batches):
     model, head = _model(tiny_dir)
     runner = _device_runner(model, head)
