@@ -52,6 +52,7 @@ def test_run_two_workers_every_id_once_with_its_own_vector(tmp_path, corpus, ray
     assert report["rows"] == 600 and report["tokens"] == tokens and report["padded_tokens"] >= tokens
     assert report["workers"] == 2 and report["truncated_rows"] > 0
     assert set(report["stages"]) >= {"read", "tokenize", "pack", "encode", "write"}
+    assert all(report["stages"][s] > 0 for s in ("read", "tokenize", "encode", "write"))
     assert report["tokens_per_second"] > 0 and report["wall_seconds"] > 0
 
 
