@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Offline batch embedding: Parquet in, vectors out, on a local or remote Ray cluster.")
+                  help="Offline batch embedding: Parquet, JSONL, CSV or HF datasets in, vectors out, on local or remote Ray.")
 
 JobFile = Annotated[Path, typer.Argument(help="The job YAML file.", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option(

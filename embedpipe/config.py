@@ -32,11 +32,12 @@ class JobError(ValueError):
         super().__init__(f"{source}: {field_path}: {problem} (fix: {fix})")
 
 
-def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["model"] = False) -> Any:
+def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["hub", "dataset"] = False) -> Any:
     """A schema field with its documentation.
 
-    ``path=True`` resolves a relative value against the job file's folder; ``path="model"`` too,
-    except that a hub-style name (``org/name``) that is no local folder stays a name.
+    ``path=True`` resolves a relative value against the job file's folder; ``path="hub"`` too,
+    except that a hub-style name (``name`` or ``org/name``, no glob) that is no local path stays a
+    name; ``path="dataset"`` is "hub" when the section's ``format`` is huggingface, else True.
     """
     meta = {"doc": doc, "path": path}
     if isinstance(default, (list, dict)):
@@ -52,10 +53,16 @@ Pooling = Literal["auto", "mean", "cls", "last"]
 
 @dataclass(frozen=True)
 class InputConfig:
-    path: str = opt(doc="A Parquet file, a directory of Parquet files or a glob (`data/*.parquet`).", path=True)
+    path: str = opt(doc="A file, a directory of files or a glob (`data/*.parquet`), local or a URL (`s3://…`, any "
+                        "fsspec protocol); huggingface: a `save_to_disk` folder or a dataset name in the local HF cache.",
+                    path="dataset")
+    format: Literal["auto", "parquet", "jsonl", "csv", "huggingface"] = opt(
+        "auto", "auto: a `save_to_disk` folder is huggingface, files go by extension (.parquet, .jsonl/.ndjson, .csv).")
+    split: str | None = opt(None, "huggingface: the split of a DatasetDict or cached dataset; null: the only split.")
     text_column: str = opt("text", "Column holding the text to embed.")
     id_column: str = opt("id", "Column holding each row's id; its type is kept in the output.")
-    unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows.")
+    unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows "
+                                 "(Parquet); other formats cut each file every this many rows.")
     on_bad_row: Literal["error", "skip", "embed_empty"] = opt(
         "error", "A row whose text is null, empty, not text or not valid UTF-8: error stops the run naming the row; "
                  "skip writes no vector and lists the id in `<output.path>/skipped.parquet`; embed_empty embeds ''.")
@@ -70,7 +77,7 @@ class InputConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = opt(doc="A local model directory (Hugging Face / sentence-transformers layout) or a hub name "
-                        "resolved offline from an installed model package or the local HF cache.", path="model")
+                        "resolved offline from an installed model package or the local HF cache.", path="hub")
     max_seq_len: int | None = opt(None, "Truncate longer texts to this many tokens (special tokens included); "
                                         "null: the model's sentence-transformers max length, else its position limit.")
     dtype: Dtype = opt("float32", "Compute dtype of the encoder. Layer norms, softmax and pooling accumulate in float32.")
@@ -106,7 +113,8 @@ class BatchingConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    path: str = opt(doc="Output directory: vectors land in `<path>/vectors/`, the report in `<path>/report.json`.", path=True)
+    path: str = opt(doc="Output directory (a local or mounted path): vectors land in `<path>/vectors/`, the report in "
+                        "`<path>/report.json`.", path=True)
     format: Literal["parquet"] = opt("parquet", "What to write: parquet (one part file per work unit).")
     versioned: bool = opt(False, "Write each run to `<path>/versions/<run id>/` and, once it finished and validated, "
                                  "point `<path>/CURRENT` at it (an atomic rename); a failed run never moves CURRENT.")
@@ -116,6 +124,9 @@ class OutputConfig:
                                    "text and vector settings are unchanged; encode only new and changed rows.")
 
     def validate(self) -> None:
+        if "://" in self.path:  # the manifest, lock and versions use local file operations (rename, O_EXCL)
+            raise JobError("output.path", f"{self.path!r} is a URL; outputs need a local or mounted filesystem",
+                           "write to a local path (or a mounted bucket) and copy the folder afterwards")
         if self.keep_versions is not None:
             _positive(self, "output", "keep_versions")
         if (self.incremental or self.keep_versions is not None) and not self.versioned:
@@ -270,7 +281,7 @@ def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
     value = yaml.safe_load(text) if text.strip() else ""
     f = _field(SECTIONS[section], name)
     if f is not None and f.metadata["path"] and isinstance(value, str) and value:
-        value = _resolve(value, Path.cwd(), hub_name=f.metadata["path"] == "model")
+        value = _resolve(value, Path.cwd(), hub_name=_keeps_names(f, raw.get(section)))
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise JobError(section, "must be a mapping", f"write `{section}:` followed by indented fields", source=source)
@@ -376,9 +387,13 @@ def _check_files(job: JobSpec, source: str) -> None:
     from glob import has_magic
 
     p = job.input.path
-    if not has_magic(p) and not Path(p).exists():
-        raise JobError("input.path", f"{p!r} does not exist",
-                       "point input.path at a Parquet file, a directory of them or a glob", source=source)
+    if "://" in p or has_magic(p) or Path(p).exists():
+        return  # URLs and globs are checked when the units are planned
+    if job.input.format == "huggingface" and not os.path.isabs(p):
+        return  # a dataset name in the local HF cache: looked up when the units are planned
+    raise JobError("input.path", f"{p!r} does not exist",
+                   "point input.path at a file, a directory of them or a glob (for a dataset in the local "
+                   "Hugging Face cache by name, set input.format: huggingface)", source=source)
 
 
 def _positive(obj: Any, section: str, name: str) -> None:
@@ -400,12 +415,20 @@ def _closest(key: str, names: typing.Iterable[str]) -> str | None:
 
 def _resolve(value: str, base: Path, *, hub_name: bool = False) -> str:
     """Resolve a relative local path against ``base``; URLs and absolute paths stay."""
+    from glob import has_magic
+
     if "://" in value or os.path.isabs(value):
         return value
     candidate = base / value
-    if hub_name and value.count("/") <= 1 and not candidate.exists() and not value.startswith("."):
+    if hub_name and value.count("/") <= 1 and not candidate.exists() and not value.startswith(".") \
+            and not has_magic(value):
         return value  # `org/name`: resolved offline later by embedpipe.models.resolve
     return os.path.normpath(str(base.resolve() / value))
+
+
+def _keeps_names(f: dataclasses.Field, values: Any) -> bool:
+    kind = f.metadata["path"]
+    return kind == "hub" or (kind == "dataset" and isinstance(values, dict) and values.get("format") == "huggingface")
 
 
 def _resolve_paths(raw: dict, *, base: Path) -> dict:
@@ -417,7 +440,7 @@ def _resolve_paths(raw: dict, *, base: Path) -> dict:
         values = dict(values)
         for f in dataclasses.fields(cls):
             if f.metadata["path"] and isinstance(values.get(f.name), str) and values[f.name]:
-                values[f.name] = _resolve(values[f.name], base, hub_name=f.metadata["path"] == "model")
+                values[f.name] = _resolve(values[f.name], base, hub_name=_keeps_names(f, values))
         out[section] = values
     return out
 

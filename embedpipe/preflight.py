@@ -13,11 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
-from embedpipe.io.reader import check_columns, is_text_type
-from embedpipe.units import InputError, Unit, list_files, plan_units
+from embedpipe.io.formats import UnitReader, plan_input
+from embedpipe.units import InputError, Unit
 
 MAX_LISTED = 5  # duplicate ids named in an error message
 
@@ -35,17 +34,12 @@ class Plan:
 
 
 def preflight(job: JobSpec) -> Plan:
-    files = list_files(job.input.path)
-    for file in files:
-        pf = check_columns(file, text_column=job.input.text_column, id_column=job.input.id_column)
-        text_type = pf.schema_arrow.field(job.input.text_column).type
-        if not is_text_type(text_type) and job.input.on_bad_row == "error":
-            raise InputError(f"{file}: column {job.input.text_column!r} holds {text_type}, not text: set "
-                             f"input.text_column to a text column (or input.on_bad_row to skip them)")
-    units = plan_units(files, unit_rows=job.input.unit_rows)
-    units, dropped = _resolve_duplicates(units, id_column=job.input.id_column, policy=job.input.on_duplicate_id)
-    return Plan(files=files, units=units, model_dir=check_model_dir(job.model.path, allow_pickle=job.model.allow_pickle),
-                duplicate_rows=dropped)
+    inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
+    reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
+    units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
+                                         policy=job.input.on_duplicate_id)
+    return Plan(files=inputs.files, units=units,
+                model_dir=check_model_dir(job.model.path, allow_pickle=job.model.allow_pickle), duplicate_rows=dropped)
 
 
 def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
@@ -78,11 +72,12 @@ def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
     return model_dir
 
 
-def _resolve_duplicates(units: list[Unit], *, id_column: str, policy: str) -> tuple[list[Unit], int]:
+def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str,
+                        policy: str) -> tuple[list[Unit], int]:
     """Find ids seen more than once (in input order); error, or mark later copies to drop."""
     keys, owners = [], []  # per unit: [n, 2] uint64 keys; (unit index, local row) of each key
     for u, unit in enumerate(units):
-        ids = pq.ParquetFile(unit.file).read_row_groups(list(unit.row_groups), columns=[id_column]).column(0)
+        ids = reader.columns(unit, [id_column]).column(0)
         keys.append(_id_keys(ids.combine_chunks()))
         owners.append(np.stack([np.full(len(ids), u), np.arange(len(ids))], axis=1))
     if not keys:
@@ -99,8 +94,8 @@ def _resolve_duplicates(units: list[Unit], *, id_column: str, policy: str) -> tu
     if policy == "error":
         examples = []
         for u, row in dup_rows[:MAX_LISTED]:
-            ids = pq.ParquetFile(units[u].file).read_row_groups(list(units[u].row_groups), columns=[id_column])
-            examples.append(f"{ids.column(0)[int(row)].as_py()!r} ({units[u].file})")
+            ids = reader.columns(units[u], [id_column]).column(0)
+            examples.append(f"{ids[int(row)].as_py()!r} ({units[u].file})")
         raise InputError(f"{len(dup_rows)} rows repeat an id seen earlier, e.g. {', '.join(examples)}: "
                          f"make the ids unique, or set input.on_duplicate_id: keep_first")
     drops: dict[int, list[int]] = {}

@@ -1,47 +1,53 @@
-"""Work units: consecutive row-group ranges of one Parquet file, with deterministic ids.
+"""Work units: deterministic ranges of one input file, with stable ids.
 
-The same input listing always gives the same units in the same order, so a unit id names
-the same rows across runs (the manifest and resume rely on this).
+Parquet units are consecutive row groups (``<file:05d>-<first row group:05d>``); row-range
+formats (JSONL, CSV, Hugging Face arrow shards; see ``embedpipe/io/formats.py``) use
+``<file:05d>-<first row:010d>``. The same input listing always gives the same units in the same
+order, so a unit id names the same rows across runs (the manifest and resume rely on this).
 """
 
 from __future__ import annotations
 
-import glob
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from embedpipe.io import fs
 
 
 @dataclass(frozen=True)
 class Unit:
     id: str  # "<file index:05d>-<first row group:05d>", zero-padded so names sort in input order
-    file: str
-    row_groups: tuple[int, ...]
+    file: str  # a local path or a URL (fsspec)
+    row_groups: tuple[int, ...]  # Parquet: the row groups; () for row-range formats
     num_rows: int
     drop_rows: tuple[int, ...] = ()  # rows (unit-local) removed as duplicate ids (input.on_duplicate_id: keep_first)
+    format: str = "parquet"  # the input.format that reads it (never "auto")
+    row_start: int = 0  # row-range formats: rows [row_start, row_start + num_rows) of the file
+    byte_start: int = 0  # JSONL/CSV: the bytes [byte_start, byte_end) holding exactly those rows
+    byte_end: int = 0
 
     @property
     def label(self) -> str:
-        return f"unit {self.id} ({self.file}, row groups {self.row_groups[0]}..{self.row_groups[-1]})"
+        if self.row_groups:
+            return f"unit {self.id} ({self.file}, row groups {self.row_groups[0]}..{self.row_groups[-1]})"
+        return f"unit {self.id} ({self.file}, rows {self.row_start}..{self.row_start + self.num_rows - 1})"
 
 
 class InputError(ValueError):
     """The input cannot be read as the job asks: names the file and the fix."""
 
 
-def list_files(path: str) -> list[str]:
-    """The Parquet files behind ``input.path`` (a file, a directory or a glob), sorted."""
-    if glob.has_magic(path):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-    elif os.path.isdir(path):
-        files = sorted(str(p) for p in Path(path).rglob("*.parquet") if p.is_file())
-    else:
-        files = [path] if os.path.isfile(path) else []
+def list_files(path: str, *, suffixes: tuple[str, ...] = (".parquet",), kind: str = "Parquet") -> list[str]:
+    """The files behind ``input.path`` (a file, a directory or a glob; local or a URL), sorted.
+
+    A directory is walked for ``suffixes``; a file or a glob is taken as it is.
+    """
+    files = fs.expand(path, suffixes=suffixes)
     if not files:
-        raise InputError(f"input.path {path!r} matches no Parquet file: point it at a file, a directory "
-                         f"holding *.parquet files, or a glob such as 'data/*.parquet'")
+        raise InputError(f"input.path {path!r} matches no {kind} file: point it at a file, a directory "
+                         f"holding {' or '.join('*' + s for s in suffixes)} files, or a glob such as "
+                         f"'data/*{suffixes[0]}'")
     return files
 
 
@@ -50,7 +56,8 @@ def plan_units(files: list[str], *, unit_rows: int) -> list[Unit]:
     units: list[Unit] = []
     for file_index, file in enumerate(files):
         try:
-            meta = pq.ParquetFile(file).metadata
+            with pq.ParquetFile(fs.arrow_source(file)) as pf:
+                meta = pf.metadata
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
         start, rows = 0, 0

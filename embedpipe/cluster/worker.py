@@ -1,6 +1,6 @@
 """The worker actor: builds its pipeline once, then processes work units one at a time.
 
-read (pyarrow) -> screen rows -> tokenize -> pack -> encode -> pool -> write (Parquet part)
+read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> encode -> pool -> write (Parquet part)
 -> manifest record (last: from then on the unit is done, whatever happens to this process).
 """
 
@@ -42,13 +42,13 @@ class EmbedWorker:
     def __init__(self, job: JobSpec, *, index: int, threads: int, incremental: Incremental | None = None):
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.manifest import Manifest
-        from embedpipe.io.reader import ParquetReader
+        from embedpipe.io.formats import UnitReader
         from embedpipe.io.writer import ParquetPartWriter
         from embedpipe.runtime import Encoder, EncoderSettings
 
         self.index = index
-        self.reader = ParquetReader(text_column=job.input.text_column, id_column=job.input.id_column,
-                                    on_bad_row=job.input.on_bad_row)
+        self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
+                                 on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder(EncoderSettings.from_job(job, threads=threads))
         self.writer = ParquetPartWriter(output_path=job.output.path)
         self.manifest = Manifest(job.output.path)

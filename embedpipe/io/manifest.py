@@ -70,10 +70,9 @@ def model_fingerprint(model_dir: Path) -> str:
 def job_fingerprint(job, *, files: list[str], model_dir: Path) -> dict[str, Any]:
     settings = {section: {k: v for k, v in values.items() if k not in FINGERPRINT_SKIP.get(section, set())}
                 for section, values in job.to_dict().items() if section in ("input", "model", "output")}
-    inputs = []
-    for file in files:
-        stat = os.stat(file)
-        inputs.append({"path": os.path.abspath(file), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    from embedpipe.io import fs
+
+    inputs = [fs.stamp(file) for file in files]  # local files: path, size, mtime_ns; URLs: the store's stamp
     body = {"inputs": inputs, "model": model_fingerprint(model_dir), "settings": settings}
     body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
     return body

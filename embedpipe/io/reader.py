@@ -1,4 +1,8 @@
-"""Read one work unit's ids and texts from Parquet (only the two columns, only its row groups)."""
+"""Read one work unit's ids and texts from Parquet (only the two columns, only its row groups).
+
+``screen_unit`` is the one bad-row screening every input format's reader ends with
+(``embedpipe/io/formats.py``); each reader's ``columns(unit, names)`` gives the raw rows.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from embedpipe.io import fs
 from embedpipe.io.rows import ScreenedRows, screen_rows
 from embedpipe.units import InputError, Unit
 
@@ -15,7 +20,7 @@ TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, 
 def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetFile:
     """Open ``file`` and check it has both columns; the error names the file and the field to fix."""
     try:
-        pf = pq.ParquetFile(file)
+        pf = pq.ParquetFile(fs.arrow_source(file))
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
     names = pf.schema_arrow.names
@@ -37,13 +42,22 @@ class ParquetReader:
         self.text_column, self.id_column, self.on_bad_row = text_column, id_column, on_bad_row
 
     def __call__(self, unit: Unit) -> ScreenedRows:
-        pf = check_columns(unit.file, text_column=self.text_column, id_column=self.id_column)
-        try:
-            table = pf.read_row_groups(list(unit.row_groups), columns=[self.id_column, self.text_column])
-        except Exception as exc:  # a corrupt page shows only when read
-            raise InputError(f"{unit.label}: cannot read ({exc}): replace or remove the file") from exc
-        ids = table.column(self.id_column).combine_chunks()
-        drop = np.zeros(len(ids), dtype=bool)
-        drop[list(unit.drop_rows)] = True
-        return screen_rows(ids, table.column(self.text_column).combine_chunks(), policy=self.on_bad_row,
-                           drop=drop, where=f"{unit.file} ({unit.label})")
+        return screen_unit(self.columns(unit, [self.id_column, self.text_column]), unit, text_column=self.text_column,
+                           id_column=self.id_column, on_bad_row=self.on_bad_row)
+
+    def columns(self, unit: Unit, names: list[str]) -> pa.Table:
+        """The unit's rows, these columns only, unscreened (preflight reads the ids this way)."""
+        with check_columns(unit.file, text_column=self.text_column, id_column=self.id_column) as pf:
+            try:
+                return pf.read_row_groups(list(unit.row_groups), columns=list(dict.fromkeys(names)))
+            except Exception as exc:  # a corrupt page shows only when read
+                raise InputError(f"{unit.label}: cannot read ({exc}): replace or remove the file") from exc
+
+
+def screen_unit(table: pa.Table, unit: Unit, *, text_column: str, id_column: str, on_bad_row: str) -> ScreenedRows:
+    """A unit's rows (any input format) through the bad-row policy, minus its duplicate-id rows."""
+    ids = table.column(id_column).combine_chunks()
+    drop = np.zeros(len(ids), dtype=bool)
+    drop[list(unit.drop_rows)] = True
+    return screen_rows(ids, table.column(text_column).combine_chunks(), policy=on_bad_row,
+                       drop=drop, where=f"{unit.file} ({unit.label})")

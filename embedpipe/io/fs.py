@@ -1,0 +1,126 @@
+"""Paths and URLs through one door: local paths stay plain paths, `s3://`, `gs://`, `memory://`,
+`file://` and every other fsspec protocol go through fsspec.
+
+Names keep the form they were given in: a local input lists as local paths, a URL input lists as
+URLs (with their protocol), so a unit's file can be opened on any worker that has the same
+credentials and fsspec implementation installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import posixpath
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import fsspec
+import fsspec.core
+import pyarrow as pa
+
+
+def is_url(path: str) -> bool:
+    """True for `proto://...` (file:// included); plain local paths are not URLs."""
+    return "://" in str(path)
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem of ``path`` and the path within it (protocol stripped)."""
+    return fsspec.core.url_to_fs(str(path))
+
+
+def join(base: str, *names: str) -> str:
+    """``base/name/...`` for a local path or a URL (URLs always use ``/``)."""
+    base = str(base)
+    return posixpath.join(base, *names) if is_url(base) else os.path.join(base, *names)
+
+
+def expand(path: str, *, suffixes: tuple[str, ...] | None = None) -> list[str]:
+    """The files behind ``path``, sorted: a file, a glob, or every file under a directory.
+
+    ``suffixes`` filters the directory walk (not globs or a named file). Local paths come back
+    as local paths, URLs as URLs.
+    """
+    path = str(path)
+    if not is_url(path):
+        if glob.has_magic(path):
+            return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if os.path.isdir(path):
+            return sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and _suffix_ok(p.name, suffixes))
+        return [path] if os.path.isfile(path) else []
+    fs, inner = filesystem(path)
+    if glob.has_magic(inner):
+        found = [p for p in fs.glob(inner) if fs.isfile(p)]
+    elif fs.isdir(inner):
+        found = [p for p in fs.find(inner) if _suffix_ok(posixpath.basename(p), suffixes)]
+    else:
+        found = [inner] if fs.isfile(inner) else []
+    return sorted(_unstrip(fs, p, like=path) for p in found)
+
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, inner = filesystem(path)
+    return fs.exists(inner)
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    fs, inner = filesystem(path)
+    return fs.isdir(inner)
+
+
+@contextmanager
+def open_binary(path: str) -> Iterator[BinaryIO]:
+    """A seekable binary file for reading, local or remote."""
+    with fsspec.open(str(path), "rb") as f:
+        yield f
+
+
+def arrow_source(path: str, *, memory_map: bool = False) -> str | pa.NativeFile:
+    """What pyarrow should open: the path itself when local (native IO, optionally memory-mapped),
+    else a pyarrow file over the fsspec file."""
+    if not is_url(path):
+        return pa.memory_map(path) if memory_map else path
+    fs, inner = filesystem(path)
+    if type(fs).__name__ == "LocalFileSystem":  # file:// URLs: still native IO
+        return pa.memory_map(inner) if memory_map else inner
+    return pa.PythonFile(fs.open(inner, "rb"), mode="r")
+
+
+def read_text(path: str) -> str:
+    with open_binary(path) as f:
+        return f.read().decode("utf-8")
+
+
+def stamp(path: str) -> dict:
+    """What identifies this version of a file for the manifest's fingerprint.
+
+    Local files: absolute path, size and modification time (ns). URLs: the URL, the size and the
+    store's modification stamp, whichever fsspec's ``info`` reports (mtime, LastModified, updated, ETag).
+    """
+    if not is_url(path):
+        stat = os.stat(path)
+        return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    fsys, inner = filesystem(path)
+    info = fsys.info(inner)
+    keys = ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "created")
+    modified = next((info[k] for k in keys if info.get(k) is not None), None)
+    return {"path": path, "size": info.get("size"), "modified": str(modified)}
+
+
+def _suffix_ok(name: str, suffixes: tuple[str, ...] | None) -> bool:
+    if name.startswith((".", "_")):  # hidden and marker files (.tmp parts, _SUCCESS, .DS_Store)
+        return False
+    return suffixes is None or name.lower().endswith(suffixes)
+
+
+def _unstrip(fs: fsspec.AbstractFileSystem, inner: str, *, like: str) -> str:
+    """``inner`` with the protocol of ``like`` (``s3://b/k``, not fsspec's canonical form)."""
+    protocol = like.split("://", 1)[0]
+    full = fs.unstrip_protocol(inner)
+    rest = full.split("://", 1)[1] if "://" in full else inner
+    return f"{protocol}://{rest}"
