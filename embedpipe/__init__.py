@@ -8,6 +8,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
+    "embed": ("embedpipe.api", "embed"),
+    "Job": ("embedpipe.api", "Job"),
     "load_job": ("embedpipe.config", "load_job"),
     "JobSpec": ("embedpipe.config", "JobSpec"),
     "run_job": ("embedpipe.cluster.driver", "run_job"),

@@ -299,6 +299,17 @@ def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") ->
     return job
 
 
+def job_from_dict(raw: dict[str, Any], *, base: str | os.PathLike = ".", name: str = "job",
+                  source: str = "job") -> JobSpec:
+    """Validate a job given as a mapping (built in code); relative paths resolve against ``base``."""
+    return parse_job(_resolve_paths(raw, base=Path(base)), name=str(raw.get("name", name)), source=source)
+
+
+def parse_section(section: str, raw: dict[str, Any] | None, *, source: str = "job") -> Any:
+    """Validate one section on its own (``embedpipe.embed`` checks its keyword options this way)."""
+    return _parse_section(section, SECTIONS[section], raw, source)
+
+
 def _parse_section(section: str, cls: type, raw: Any, source: str) -> Any:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):

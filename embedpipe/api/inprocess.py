@@ -1,0 +1,144 @@
+"""``embedpipe.embed``: texts, a DataFrame, an Arrow table or a ``datasets.Dataset`` to vectors, in process.
+
+The same engine as a job's workers (``runtime.Encoder``: tokenizer, packer, packed model, head)
+built from the same job schema, so the vectors equal the CLI's for the same rows; no Ray starts.
+For inputs that fit in memory: the rows go through in chunks of ``CHUNK_ROWS`` and the vectors of
+all of them come back as one array. Larger corpora: write them to files and run a ``Job``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from embedpipe.api.options import job_for_options
+from embedpipe.io.reader import table_rows
+from embedpipe.units import InputError
+
+CHUNK_ROWS = 10_000  # rows tokenized and packed together: the default input.unit_rows, as a worker sees them
+
+
+def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "text",
+          add_column: str | None = None, progress: bool = False, **options: Any) -> Any:
+    """Embed ``inputs`` with ``model``, in this process.
+
+    inputs: a string (returns one vector ``[D]``), a sequence of strings, or a table with a
+        ``text_column``: ``pandas.DataFrame``, ``pyarrow.Table`` or ``datasets.Dataset``.
+    model: ``model.path`` of a job: a model folder or a hub name served offline.
+    add_column: for a table, return the table with the vectors added as this column (Arrow and
+        datasets: fixed-size lists of float32; pandas: one numpy array per row) instead of the array.
+    options: the job file's ``model.*`` fields (``max_seq_len=128``, ``dtype="bfloat16"``,
+        ``pooling``, ``normalize``, ...), ``output.dim`` and ``output.dtype`` (as ``dim`` and
+        ``output_dtype``) where the schema has them, ``batching.*`` and ``runtime.*`` (``device="cuda"``),
+        checked by the same schema as a job file: errors name the option.
+
+    Returns ``np.ndarray [N, D]`` (float32), one row per input row, in input order.
+    """
+    from tqdm.auto import tqdm
+
+    job = job_for_options(model, options)
+    encoder = _encoder(job)
+    parts = [np.empty((0, encoder.dim), dtype=np.float32)]
+    with tqdm(total=_row_count(inputs), unit="rows", disable=not progress, desc="embed") as bar:
+        for texts in _text_chunks(inputs, text_column=text_column):
+            parts.append(encoder.embed(texts))
+            bar.update(len(texts))
+    out = np.concatenate(parts) if len(parts) > 2 else parts[-1]
+    if isinstance(inputs, str):
+        return out[0]
+    return out if add_column is None else _with_column(inputs, add_column, out)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_encoder(settings):
+    from embedpipe.runtime import Encoder
+
+    return Encoder(settings)
+
+
+def _encoder(job):
+    """One encoder per distinct settings, kept across calls (loading a model takes seconds)."""
+    from embedpipe.runtime import EncoderSettings
+
+    return _cached_encoder(EncoderSettings.from_job(job))
+
+
+# --------------------------------------------------------------------------- inputs
+
+def _kind(inputs: Any) -> str:
+    if isinstance(inputs, str):
+        return "text"
+    if isinstance(inputs, (pa.Table, pa.RecordBatch)):
+        return "arrow"
+    pd, hf = sys.modules.get("pandas"), sys.modules.get("datasets")  # never imported here just to check
+    if pd is not None and isinstance(inputs, pd.DataFrame):
+        return "pandas"
+    if hf is not None and isinstance(inputs, hf.Dataset):
+        return "datasets"
+    if hf is not None and isinstance(inputs, (hf.DatasetDict, hf.IterableDataset)):
+        raise TypeError("embed(): pass one split of the dataset (a datasets.Dataset, e.g. ds['train']); "
+                        "for a large dataset save_to_disk it and run a Job with input.format: huggingface")
+    if isinstance(inputs, (bytes, dict)) or not hasattr(inputs, "__len__"):
+        raise TypeError(f"embed(): inputs is a {type(inputs).__name__}: pass a string, a list of strings, or a "
+                        f"pandas.DataFrame, pyarrow.Table or datasets.Dataset with a text column")
+    return "sequence"
+
+
+def _row_count(inputs: Any) -> int:
+    kind = _kind(inputs)
+    return 1 if kind == "text" else len(inputs) if kind != "arrow" else inputs.num_rows
+
+
+def _text_chunks(inputs: Any, *, text_column: str) -> Iterator[list[str]]:
+    """The texts, ``CHUNK_ROWS`` rows at a time, checked like a job's rows."""
+    kind = _kind(inputs)
+    if kind == "text":
+        yield [inputs]
+        return
+    if kind == "sequence":
+        texts = list(inputs)
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise InputError(f"embed(): inputs[{bad}] is {texts[bad]!r}, not a string: pass strings only")
+        for start in range(0, len(texts), CHUNK_ROWS):
+            yield texts[start:start + CHUNK_ROWS]
+        return
+    _check_column(inputs, kind, text_column)
+    if kind == "datasets":
+        chunks = inputs.select_columns([text_column]).with_format("arrow").iter(batch_size=CHUNK_ROWS)
+        columns = (chunk.column(text_column) for chunk in chunks)
+    elif kind == "pandas":
+        series = inputs[text_column]
+        columns = (pa.array(series.iloc[s:s + CHUNK_ROWS], from_pandas=True) for s in range(0, len(series), CHUNK_ROWS))
+    else:
+        column = inputs.column(text_column)
+        columns = (column.slice(s, CHUNK_ROWS) for s in range(0, len(column), CHUNK_ROWS))
+    start = 0
+    for column in columns:
+        table = pa.table({"row": pa.array(np.arange(start, start + len(column))), "text": column})
+        yield table_rows(table, source="embed()", text_column="text", id_column="row").texts
+        start += len(column)
+
+
+def _check_column(inputs: Any, kind: str, text_column: str) -> None:
+    names = list(inputs.column_names if kind in ("arrow", "datasets") else inputs.columns)
+    if text_column not in names:
+        raise InputError(f"embed(): no column {text_column!r} (columns: {', '.join(map(str, names))}): "
+                         f"pass text_column= the column holding the texts")
+
+
+def _with_column(inputs: Any, name: str, vectors: np.ndarray) -> Any:
+    kind = _kind(inputs)
+    if kind == "sequence":
+        raise TypeError("embed(): add_column needs a table input (DataFrame, pyarrow.Table, datasets.Dataset)")
+    if kind == "pandas":
+        return inputs.assign(**{name: list(vectors)})
+    column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+    if kind == "datasets":
+        return inputs.add_column(name, column)
+    table = inputs if isinstance(inputs, pa.Table) else pa.Table.from_batches([inputs])
+    return table.append_column(name, column)

@@ -1,0 +1,78 @@
+"""``embedpipe.Job``: a job from YAML or built in code, run on an embedded local Ray or a cluster.
+
+    job = embedpipe.Job.from_yaml("examples/quickstart.yaml", overrides=["output.path=/tmp/q"])
+    job = embedpipe.Job(input={"path": "data/*.parquet"}, model="sentence-transformers/all-MiniLM-L6-v2",
+                        output={"path": "out/corpus"})
+    result = job.run()                      # embedded local Ray, progress bar (a widget in notebooks)
+    result = job.submit("ray://head:10001") # the same job on a running cluster
+    result.report, result.vectors_path, result.report_path
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from embedpipe.config import JobSpec, job_from_dict, load_job
+
+Section = dict[str, Any] | Any  # a mapping of fields, or the section's config dataclass
+
+
+class Job:
+    """A validated job (``spec``, a ``JobSpec``) and the two ways to run it."""
+
+    def __init__(self, *, input: Section, model: Section | str, output: Section, batching: Section | None = None,
+                 cluster: Section | None = None, runtime: Section | None = None, name: str = "job",
+                 base: str | os.PathLike = "."):
+        """Sections as in a job file (mappings or config dataclasses; ``model`` may be just its path).
+
+        Relative paths resolve against ``base`` (the current directory by default); errors name the field.
+        """
+        sections = {"input": input, "model": {"path": model} if isinstance(model, str) else model,
+                    "output": output, "batching": batching, "cluster": cluster, "runtime": runtime}
+        raw = {key: _as_mapping(value) for key, value in sections.items() if value is not None}
+        self.spec: JobSpec = job_from_dict({**raw, "name": name}, base=Path(base).resolve(), source="Job(...)")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, *, overrides: list[str] | None = None) -> "Job":
+        """Read a job file; ``overrides`` are ``--set`` items (``"output.path=/tmp/out"``)."""
+        return cls.from_spec(load_job(path, overrides=overrides))
+
+    @classmethod
+    def from_spec(cls, spec: JobSpec) -> "Job":
+        job = cls.__new__(cls)
+        job.spec = spec
+        return job
+
+    def replace(self, **sections: dict[str, Any]) -> "Job":
+        """A copy with some fields changed: ``job.replace(output={"path": "/tmp/x"})``."""
+        return Job.from_spec(self.spec.replace(**sections))
+
+    def run(self, *, progress: bool = True):
+        """Run on ``cluster.address`` (empty: an embedded local Ray, started and stopped here).
+
+        Returns a ``RunResult``: ``report`` (the report.json dict), ``output_path``, ``vectors_path``,
+        ``report_path``. Reuses the Ray this process is already connected to, if any.
+        """
+        from embedpipe.cluster.driver import run_job
+
+        return run_job(self.spec, progress=progress)
+
+    def submit(self, address: str, *, progress: bool = True):
+        """Run on the Ray cluster at ``address`` (``auto``, ``host:port`` or ``ray://host:port``); blocks
+        until done and returns the same result as ``run``. Input, model and output must be reachable
+        from the cluster's nodes (shared paths or URLs such as ``s3://``)."""
+        return self.replace(cluster={"address": address}).run(progress=progress)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"Job({s.name!r}: {s.input.path} ({s.input.format}) -> {s.model.path} -> {s.output.path}, "
+                f"cluster {s.cluster.address or 'embedded local Ray'})")
+
+
+def _as_mapping(section: Section) -> dict[str, Any]:
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return dataclasses.asdict(section)
+    return dict(section) if isinstance(section, dict) else section  # anything else: the schema names the section
