@@ -54,3 +54,49 @@ def write_job(path: Path, **sections) -> Path:
 
     path.write_text(yaml.safe_dump(sections, sort_keys=False))
     return path
+
+
+# --------------------------------------------------------------------------- inputs and the Python API
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, quickstart_table):
+    """300 real rows as one Parquet file of 3 row groups (3 units of 100): (table, path)."""
+    table = quickstart_table.slice(0, 300)
+    path = tmp_path_factory.mktemp("small_corpus") / "corpus.parquet"
+    pq.write_table(table, path, row_group_size=100)
+    return table, path
+
+
+def run_cli_job(folder: Path, *, input: dict, output: str | None = None, **sections) -> dict:
+    """Run `embedpipe run` in process on a 1-worker job; returns {id: vector} read from the output."""
+    import numpy as np
+    import pyarrow.dataset as ds
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    out = output or str(folder / "out")
+    job = write_job(folder / "job.yaml", input={"unit_rows": 100, **input},
+                    model={"path": "sentence-transformers/all-MiniLM-L6-v2"}, batching={"max_tokens": 4096},
+                    output={"path": out}, cluster={"workers": 1, "cpus_per_worker": 1}, **sections)
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    vectors = ds.dataset(out.removeprefix("file://") + "/vectors", format="parquet").to_table()
+    return dict(zip(vectors["id"].to_pylist(), np.asarray(vectors["embedding"].to_pylist(), dtype=np.float32)))
+
+
+@pytest.fixture(scope="session")
+def parquet_cli_vectors(small_corpus, ray_session, tmp_path_factory) -> dict:
+    """The CLI's vectors for `small_corpus` read as Parquet: the reference for other inputs and embed()."""
+    _, path = small_corpus
+    return run_cli_job(tmp_path_factory.mktemp("parquet_run"), input={"path": str(path)})
+
+
+def assert_same_vectors(got, want, *, min_cos: float = 0.99999) -> None:
+    """Row-wise cosine of two [N, D] arrays (same rows in the same order)."""
+    import numpy as np
+
+    got, want = np.asarray(got, dtype=np.float32), np.asarray(want, dtype=np.float32)
+    assert got.shape == want.shape
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= min_cos, f"lowest cosine {cos.min():.6f} at row {int(cos.argmin())}"

@@ -1,0 +1,136 @@
+"""The Python API: embed() in process gives the CLI's vectors; Job runs and submits jobs."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+
+import embedpipe
+from embedpipe.api.options import job_for_options, option_names
+from embedpipe.config import SECTIONS, JobError
+from embedpipe.units import InputError
+from tests.conftest import QUICKSTART, ROOT, assert_same_vectors, write_job
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@pytest.mark.slow
+def test_embed_list_dataframe_dataset_and_table_give_the_cli_vectors(small_corpus, parquet_cli_vectors):
+    pd = pytest.importorskip("pandas")
+    datasets = pytest.importorskip("datasets")
+    table, _ = small_corpus
+    want = np.stack([parquet_cli_vectors[i] for i in table["id"].to_pylist()])
+
+    from_list = embedpipe.embed(table["text"].to_pylist(), model=MODEL)
+    assert from_list.shape == (300, 384) and from_list.dtype == np.float32
+    assert_same_vectors(from_list, want)
+
+    frame = table.to_pandas()
+    assert_same_vectors(embedpipe.embed(frame, model=MODEL), want)
+    with_column = embedpipe.embed(frame, model=MODEL, add_column="embedding")
+    assert list(with_column.columns) == [*frame.columns, "embedding"] and "embedding" not in frame.columns
+    assert_same_vectors(np.stack(with_column["embedding"]), want)
+
+    dataset = datasets.Dataset(table)
+    assert_same_vectors(embedpipe.embed(dataset, model=MODEL), want)
+    shuffled = dataset.shuffle(seed=0)  # an indices mapping: rows come back in the dataset's order
+    order = [table["id"].to_pylist().index(i) for i in shuffled["id"]]
+    assert_same_vectors(embedpipe.embed(shuffled, model=MODEL), want[order])
+    assert_same_vectors(np.asarray(embedpipe.embed(dataset, model=MODEL, add_column="e")["e"]), want)
+
+    arrow = embedpipe.embed(table, model=MODEL, add_column="embedding")
+    assert arrow.column_names == [*table.column_names, "embedding"]
+    assert arrow.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    assert_same_vectors(np.asarray(arrow["embedding"].to_pylist()), want)
+
+    one = embedpipe.embed(table["text"][0].as_py(), model=MODEL)
+    assert one.shape == (384,)
+    assert_same_vectors(one[None], want[:1])
+
+
+def test_embed_options_are_the_job_schema_fields(minilm_dir):
+    texts = ["a short text", "a somewhat longer text that truncation at eight tokens will cut"]
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    want = Encoder(EncoderSettings(model_path=str(minilm_dir), max_seq_len=8, pooling="cls", normalize=False)).embed(texts)
+    got = embedpipe.embed(texts, model=str(minilm_dir), max_seq_len=8, pooling="cls", normalize=False)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert np.abs(got - embedpipe.embed(texts, model=str(minilm_dir))).max() > 1e-2  # the options did something
+
+    names = option_names()
+    model_fields = {f.name for f in dataclasses.fields(SECTIONS["model"])} - {"path"}
+    assert {k for k, (s, _) in names.items() if s == "model"} == model_fields  # every model.* field
+    assert names["dtype"] == ("model", "dtype") and names["device"] == ("runtime", "device")
+    output_fields = {f.name for f in dataclasses.fields(SECTIONS["output"])}
+    assert {f for s, f in names.values() if s == "output"} == {"dim", "dtype"} & output_fields
+    job = job_for_options(MODEL, {"max_seq_len": 64, "dtype": "bfloat16", "max_tokens": 1024, "device": "cpu"})
+    assert (job.model.max_seq_len, job.model.dtype, job.batching.max_tokens, job.runtime.device) == (64, "bfloat16", 1024, "cpu")
+
+
+@pytest.mark.parametrize("options, option, words", [
+    ({"dtype": "fp32"}, "dtype", "'fp32' is not one of float32, bfloat16, float16 (fix: set dtype to one of them)"),
+    ({"max_seqlen": 8}, "max_seqlen", "unknown option (fix: did you mean max_seq_len=?)"),
+    ({"max_seq_len": 0}, "max_seq_len", "must be positive"),
+    ({"normalize": "yes"}, "normalize", "true/false or one of auto"),
+])
+def test_bad_embed_options_name_the_option(options, option, words):
+    with pytest.raises(JobError) as err:
+        embedpipe.embed(["x"], model=MODEL, **options)
+    assert err.value.field_path == option and words in str(err.value) and str(err.value).startswith("embed(): ")
+
+
+def test_bad_embed_inputs_say_what_to_pass():
+    pd = pytest.importorskip("pandas")
+    with pytest.raises(InputError, match=r"inputs\[1\] is None, not a string"):
+        embedpipe.embed(["a", None], model=MODEL)
+    with pytest.raises(InputError, match="no column 'text' .*pass text_column="):
+        embedpipe.embed(pd.DataFrame({"body": ["a"]}), model=MODEL)
+    with pytest.raises(InputError, match="has no text"):
+        embedpipe.embed(pd.DataFrame({"body": ["a", None]}), model=MODEL, text_column="body")
+    with pytest.raises(TypeError, match="pass a string, a list of strings"):
+        embedpipe.embed(42, model=MODEL)
+    assert embedpipe.embed([], model=MODEL).shape == (0, 384)
+
+
+def test_embed_starts_no_ray():
+    code = ("import sys, embedpipe; v = embedpipe.embed(['x'], model='sentence-transformers/all-MiniLM-L6-v2'); "
+            "assert v.shape == (1, 384); assert 'ray' not in sys.modules, 'embed imported ray'")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.slow
+def test_job_built_in_code_runs_and_reports(tmp_path, small_corpus, parquet_cli_vectors, ray_session):
+    table, path = small_corpus
+    job = embedpipe.Job(input={"path": str(path), "unit_rows": 100}, model=MODEL, output={"path": "out"},
+                        batching={"max_tokens": 4096}, cluster={"workers": 1, "cpus_per_worker": 1},
+                        name="api", base=tmp_path)
+    assert job.spec.output.path == str(tmp_path / "out")  # relative to base
+    result = job.run(progress=False)
+    assert result.report["rows"] == 300 and result.report["units"] == 3
+    assert result.report_path == str(tmp_path / "out" / "report.json")
+    vectors = ds.dataset(result.vectors_path, format="parquet").to_table()
+    got = dict(zip(vectors["id"].to_pylist(), np.asarray(vectors["embedding"].to_pylist())))
+    ids = table["id"].to_pylist()
+    assert_same_vectors([got[i] for i in ids], [parquet_cli_vectors[i] for i in ids], min_cos=0.999999)
+
+
+def test_job_from_yaml_errors_and_submit(tmp_path, monkeypatch):
+    path = write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART)}, model={"path": MODEL},
+                     output={"path": "out"})
+    job = embedpipe.Job.from_yaml(path, overrides=["batching.max_tokens=1024"])
+    assert job.spec.batching.max_tokens == 1024 and job.spec.output.path == str(tmp_path / "out")
+    with pytest.raises(JobError, match=r"Job\(\.\.\.\): model.dtype: 'fp8' is not one of"):
+        embedpipe.Job(input={"path": str(QUICKSTART)}, model={"path": MODEL, "dtype": "fp8"}, output={"path": "o"})
+
+    seen = []
+    monkeypatch.setattr("embedpipe.cluster.driver.run_job", lambda spec, progress: seen.append(spec) or "result")
+    assert job.submit("ray://head:10001", progress=False) == "result"
+    assert seen[0].cluster.address == "ray://head:10001" and seen[0].batching.max_tokens == 1024
+    assert job.spec.cluster.address == ""  # submit leaves the job as it was
