@@ -18,6 +18,7 @@ from typing import BinaryIO, Iterator
 import fsspec
 import fsspec.core
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 
 def is_url(path: str) -> bool:
@@ -86,7 +87,7 @@ def arrow_source(path: str, *, memory_map: bool = False) -> str | pa.NativeFile:
     if not is_url(path):
         return pa.memory_map(path) if memory_map else path
     fs, inner = filesystem(path)
-    if type(fs).__name__ == "LocalFileSystem":  # file:// URLs: still native IO
+    if isinstance(fs, LocalFileSystem):  # file:// URLs: still native IO
         return pa.memory_map(inner) if memory_map else inner
     return pa.PythonFile(fs.open(inner, "rb"), mode="r")
 
