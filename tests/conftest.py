@@ -67,7 +67,7 @@ def small_corpus(tmp_path_factory, quickstart_table):
     return table, path
 
 
-def run_cli_job(folder: Path, *, input: dict, output: str | None = None, **sections) -> dict:
+def run_cli_job(folder: Path, *, input: dict, **sections) -> dict:
     """Run `embedpipe run` in process on a 1-worker job; returns {id: vector} read from the output."""
     import numpy as np
     import pyarrow.dataset as ds
@@ -75,13 +75,13 @@ def run_cli_job(folder: Path, *, input: dict, output: str | None = None, **secti
 
     from embedpipe.cli import app
 
-    out = output or str(folder / "out")
+    out = str(folder / "out")
     job = write_job(folder / "job.yaml", input={"unit_rows": 100, **input},
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"}, batching={"max_tokens": 4096},
                     output={"path": out}, cluster={"workers": 1, "cpus_per_worker": 1}, **sections)
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
-    vectors = ds.dataset(out.removeprefix("file://") + "/vectors", format="parquet").to_table()
+    vectors = ds.dataset(f"{out}/vectors", format="parquet").to_table()
     return dict(zip(vectors["id"].to_pylist(), np.asarray(vectors["embedding"].to_pylist(), dtype=np.float32)))
 
 

@@ -85,14 +85,23 @@ def test_bad_embed_options_name_the_option(options, option, words):
     assert err.value.field_path == option and words in str(err.value) and str(err.value).startswith("embed(): ")
 
 
-def test_bad_embed_inputs_say_what_to_pass():
+def test_bad_embed_inputs_say_what_to_pass(minilm_dir):
     pd = pytest.importorskip("pandas")
-    with pytest.raises(InputError, match=r"inputs\[1\] is None, not a string"):
+    with pytest.raises(InputError, match=r"inputs\[1\] is 3, not a string"):
+        embedpipe.embed(["a", 3], model=MODEL)
+    with pytest.raises(InputError, match=r"embed\(\): row 1 has a bad text \(null\).*pass on_bad_row='embed_empty'"):
         embedpipe.embed(["a", None], model=MODEL)
     with pytest.raises(InputError, match="no column 'text' .*pass text_column="):
         embedpipe.embed(pd.DataFrame({"body": ["a"]}), model=MODEL)
-    with pytest.raises(InputError, match="has no text"):
-        embedpipe.embed(pd.DataFrame({"body": ["a", None]}), model=MODEL, text_column="body")
+    with pytest.raises(InputError, match=r"row 2 has a bad text \(empty\)"):
+        embedpipe.embed(pd.DataFrame({"body": ["a", "b", " "]}), model=MODEL, text_column="body")
+    with pytest.raises(JobError, match="on_bad_row: 'skip' would leave rows without a vector"):
+        embedpipe.embed(["a"], model=MODEL, on_bad_row="skip")
+    # embed_empty: a bad row is embedded as "", as a job with input.on_bad_row: embed_empty does
+    got = embedpipe.embed(pa.table({"text": ["a", None, ""]}), model=MODEL, on_bad_row="embed_empty")
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    np.testing.assert_allclose(got, Encoder(EncoderSettings(model_path=str(minilm_dir))).embed(["a", "", ""]), atol=1e-6)
     with pytest.raises(TypeError, match="pass a string, a list of strings"):
         embedpipe.embed(42, model=MODEL)
     assert embedpipe.embed([], model=MODEL).shape == (0, 384)
@@ -113,8 +122,8 @@ def test_job_built_in_code_runs_and_reports(tmp_path, small_corpus, parquet_cli_
                         name="api", base=tmp_path)
     assert job.spec.output.path == str(tmp_path / "out")  # relative to base
     result = job.run(progress=False)
-    assert result.report["rows"] == 300 and result.report["units"] == 3
-    assert result.report_path == str(tmp_path / "out" / "report.json")
+    assert result.report["rows"] == 300 and result.report["units"]["total"] == 3
+    assert result.output_path == tmp_path / "out" and (result.output_path / "report.json").is_file()
     vectors = ds.dataset(result.vectors_path, format="parquet").to_table()
     got = dict(zip(vectors["id"].to_pylist(), np.asarray(vectors["embedding"].to_pylist())))
     ids = table["id"].to_pylist()
@@ -130,7 +139,8 @@ def test_job_from_yaml_errors_and_submit(tmp_path, monkeypatch):
         embedpipe.Job(input={"path": str(QUICKSTART)}, model={"path": MODEL, "dtype": "fp8"}, output={"path": "o"})
 
     seen = []
-    monkeypatch.setattr("embedpipe.cluster.driver.run_job", lambda spec, progress: seen.append(spec) or "result")
+    monkeypatch.setattr("embedpipe.cluster.driver.run_job",
+                        lambda spec, progress, overwrite: seen.append(spec) or "result")
     assert job.submit("ray://head:10001", progress=False) == "result"
     assert seen[0].cluster.address == "ray://head:10001" and seen[0].batching.max_tokens == 1024
     assert job.spec.cluster.address == ""  # submit leaves the job as it was

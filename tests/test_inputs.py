@@ -5,17 +5,15 @@ import os
 import shutil
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
 from embedpipe.config import InputConfig, JobError, load_job
+from embedpipe.io import fs
 from embedpipe.io.formats import UnitReader, plan_input, resolve_format
 from embedpipe.io.textfiles import scan_records
-from embedpipe.io.writer import ParquetPartWriter
-from embedpipe.report.report import write_report
 from embedpipe.units import InputError
 from tests.conftest import write_job
 
@@ -30,8 +28,8 @@ def _table(n: int = 23) -> pa.Table:
 
 
 def _read_all(cfg: InputConfig):
-    units = plan_input(cfg)
-    reader = UnitReader(text_column=cfg.text_column, id_column=cfg.id_column)
+    units = plan_input(cfg).units
+    reader = UnitReader(text_column=cfg.text_column, id_column=cfg.id_column, on_bad_row=cfg.on_bad_row)
     ids, texts = [], []
     for unit in units:
         rows = reader(unit)
@@ -66,7 +64,7 @@ def test_jsonl_units_are_whole_records_in_order(tmp_path, blank_lines, trailing_
     assert [(u.id, u.row_start, u.num_rows, u.format) for u in units] == [
         ("00000-0000000000", 0, 10, "jsonl"), ("00000-0000000010", 10, 10, "jsonl"),
         ("00000-0000000020", 20, 3, "jsonl"), ("00001-0000000000", 0, 5, "jsonl")]
-    assert plan_input(cfg) == units  # deterministic
+    assert plan_input(cfg).units == units  # deterministic
     assert ids == table["id"].to_pylist() + table["id"].to_pylist()[:5]
     assert texts == table["text"].to_pylist() + table["text"].to_pylist()[:5]
     data = (tmp_path / "a.jsonl").read_bytes()
@@ -113,7 +111,7 @@ def test_hf_saved_dataset_units_are_row_ranges_of_its_shards(tmp_path):
     assert len({u.file for u in units}) > 1, "expected several arrow shards"
     assert all(u.format == "huggingface" and u.num_rows <= 8 for u in units)
     assert ids == table["id"].to_pylist() and texts == table["text"].to_pylist()
-    assert plan_input(cfg) == units
+    assert plan_input(cfg).units == units
 
 
 def test_hf_dataset_dict_needs_a_split(tmp_path):
@@ -190,7 +188,7 @@ def test_compressed_text_files_are_refused(tmp_path):
         plan_input(InputConfig(path=str(tmp_path / "a.jsonl.gz"), format="jsonl"))
 
 
-def test_every_format_reads_from_a_memory_url_and_writes_to_one(tmp_path):
+def test_every_format_reads_from_a_memory_url(tmp_path):
     mem = fsspec.filesystem("memory")
     table = _table(20)
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=5)
@@ -206,15 +204,8 @@ def test_every_format_reads_from_a_memory_url_and_writes_to_one(tmp_path):
             units, ids, texts = _read_all(InputConfig(path=f"memory://{root}/{fmt}", unit_rows=5))
             assert ids == table["id"].to_pylist() and texts == table["text"].to_pylist(), fmt
             assert all(u.file.startswith("memory://") for u in units)
-
-        writer = ParquetPartWriter(output_path=f"memory://{root}/out")
-        part = writer("00000-00000", pa.array(["a", "b"]), np.eye(2, 3, dtype=np.float32))
-        assert part == f"memory://{root}/out/vectors/part-00000-00000.parquet"
-        with mem.open(part, "rb") as f:
-            assert pq.read_table(f)["embedding"].to_pylist() == [[1, 0, 0], [0, 1, 0]]
-        write_report(f"memory://{root}/out", {"rows": 2})
-        assert json.loads(mem.cat(f"{root}/out/report.json")) == {"rows": 2}
-        assert not [p for p in mem.find(root) if ".tmp" in p]
+        stamp = fs.stamp(f"memory://{root}/csv/a.csv")  # what the manifest's fingerprint records
+        assert stamp["path"] == f"memory://{root}/csv/a.csv" and stamp["size"] == (tmp_path / "a.csv").stat().st_size
     finally:
         mem.rm(root, recursive=True)
 
@@ -222,9 +213,10 @@ def test_every_format_reads_from_a_memory_url_and_writes_to_one(tmp_path):
 def test_job_schema_accepts_formats_urls_and_dataset_names(tmp_path):
     model = {"path": "sentence-transformers/all-MiniLM-L6-v2"}
     job = load_job(write_job(tmp_path / "a.yaml", input={"path": "s3://bucket/corpus/*.jsonl"}, model=model,
-                             output={"path": "gs://bucket/out"}))
-    assert job.input.path == "s3://bucket/corpus/*.jsonl" and job.output.path == "gs://bucket/out"
-    assert job.input.format == "auto" and job.input.split is None
+                             output={"path": "out"}))
+    assert job.input.path == "s3://bucket/corpus/*.jsonl" and job.input.format == "auto" and job.input.split is None
+    with pytest.raises(JobError, match="output.path: 'gs://bucket/out' is a URL.*fix: write to a local path"):
+        load_job(write_job(tmp_path / "a.yaml", input={"path": "s3://b/x"}, model=model, output={"path": "gs://bucket/out"}))
     (tmp_path / "data").mkdir()
     job = load_job(write_job(tmp_path / "b.yaml", input={"path": "data/*.csv", "format": "csv"}, model=model,
                              output={"path": "out"}))
@@ -234,3 +226,29 @@ def test_job_schema_accepts_formats_urls_and_dataset_names(tmp_path):
                            output={"path": "out"}))
     with pytest.raises(JobError, match="does not exist.*input.format: huggingface"):
         load_job(write_job(tmp_path / "d.yaml", input={"path": "imdb"}, model=model, output={"path": "out"}))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "huggingface"])
+def test_bad_rows_and_duplicate_ids_follow_the_job_policies_in_every_format(tmp_path, fmt):
+    from embedpipe.preflight import preflight
+
+    table = pa.table({"id": ["a", "b", "c", "b", "d"], "text": ["one", None, "three", "again", "   "]})
+    path = {"jsonl": tmp_path / "a.jsonl", "csv": tmp_path / "a.csv", "huggingface": tmp_path / "hf"}[fmt]
+    {"jsonl": lambda: _write_jsonl(table, path), "csv": lambda: pacsv.write_csv(table, path),
+     "huggingface": lambda: _save_dataset(table, path)}[fmt]()
+    sections = dict(model={"path": "sentence-transformers/all-MiniLM-L6-v2"}, output={"path": str(tmp_path / "o")})
+
+    job = load_job(write_job(tmp_path / "j.yaml", input={"path": str(path), "unit_rows": 2}, **sections))
+    with pytest.raises(InputError, match=r"1 rows repeat an id seen earlier, e.g. 'b'"):
+        preflight(job)
+
+    job = job.replace(input={"on_duplicate_id": "keep_first", "on_bad_row": "skip"})
+    plan = preflight(job)
+    assert plan.duplicate_rows == 1 and [u.drop_rows for u in plan.units] == [(), (1,), ()]
+    reader = UnitReader(text_column="text", id_column="id", on_bad_row="skip")
+    rows = [reader(u) for u in plan.units]
+    assert sum((r.ids.to_pylist() for r in rows), []) == ["a", "c"]
+    skipped = pa.concat_tables([r.skipped for r in rows]).to_pylist()
+    # CSV has no nulls: an empty field is the empty string
+    assert skipped == [{"id": "b", "reason": "empty" if fmt == "csv" else "null"},
+                       {"id": "b", "reason": "duplicate_id"}, {"id": "d", "reason": "empty"}]

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from embedpipe.api.options import job_for_options
-from embedpipe.io.reader import table_rows
+from embedpipe.io.rows import screen_rows
 from embedpipe.units import InputError
 
 CHUNK_ROWS = 10_000  # rows tokenized and packed together: the default input.unit_rows, as a worker sees them
@@ -33,8 +33,9 @@ def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "
         datasets: fixed-size lists of float32; pandas: one numpy array per row) instead of the array.
     options: the job file's ``model.*`` fields (``max_seq_len=128``, ``dtype="bfloat16"``,
         ``pooling``, ``normalize``, ...), ``output.dim`` and ``output.dtype`` (as ``dim`` and
-        ``output_dtype``) where the schema has them, ``batching.*`` and ``runtime.*`` (``device="cuda"``),
-        checked by the same schema as a job file: errors name the option.
+        ``output_dtype``) where the schema has them, ``on_bad_row`` (``error``, the default, or
+        ``embed_empty``: a null or empty text is embedded as ``""``), ``batching.*`` and ``runtime.*``
+        (``device="cuda"``), checked by the same schema as a job file: errors name the option.
 
     Returns ``np.ndarray [N, D]`` (float32), one row per input row, in input order.
     """
@@ -44,7 +45,7 @@ def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "
     encoder = _encoder(job)
     parts = [np.empty((0, encoder.dim), dtype=np.float32)]
     with tqdm(total=_row_count(inputs), unit="rows", disable=not progress, desc="embed") as bar:
-        for texts in _text_chunks(inputs, text_column=text_column):
+        for texts in _text_chunks(inputs, text_column=text_column, on_bad_row=job.input.on_bad_row):
             parts.append(encoder.embed(texts))
             bar.update(len(texts))
     out = np.concatenate(parts) if len(parts) > 2 else parts[-1]
@@ -93,20 +94,37 @@ def _row_count(inputs: Any) -> int:
     return 1 if kind == "text" else len(inputs) if kind != "arrow" else inputs.num_rows
 
 
-def _text_chunks(inputs: Any, *, text_column: str) -> Iterator[list[str]]:
-    """The texts, ``CHUNK_ROWS`` rows at a time, checked like a job's rows."""
+def _text_chunks(inputs: Any, *, text_column: str, on_bad_row: str) -> Iterator[list[str]]:
+    """The texts, ``CHUNK_ROWS`` rows at a time, screened like a job's rows (``input.on_bad_row``)."""
     kind = _kind(inputs)
     if kind == "text":
-        yield [inputs]
-        return
+        inputs, kind = [inputs], "sequence"
     if kind == "sequence":
         texts = list(inputs)
-        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) and t is not None), None)
         if bad is not None:
             raise InputError(f"embed(): inputs[{bad}] is {texts[bad]!r}, not a string: pass strings only")
-        for start in range(0, len(texts), CHUNK_ROWS):
-            yield texts[start:start + CHUNK_ROWS]
-        return
+        columns = (pa.array(texts[s:s + CHUNK_ROWS], pa.string()) for s in range(0, len(texts), CHUNK_ROWS))
+    else:
+        columns = _table_columns(inputs, kind, text_column)
+    start = 0
+    for column in columns:
+        yield _screen(column, start=start, on_bad_row=on_bad_row)
+        start += len(column)
+
+
+def _screen(column: pa.Array, *, start: int, on_bad_row: str) -> list[str]:
+    """The job's bad-row screening; rows are named by their position in the input."""
+    rows = pa.array(np.arange(start, start + len(column)))
+    try:
+        return screen_rows(rows, column, policy=on_bad_row, drop=np.zeros(len(column), dtype=bool), where="embed()").texts
+    except InputError as exc:  # word it for embed(): rows by position, the option by its keyword
+        message = str(exc).replace("row with id", "row").replace("set input.on_bad_row to skip or embed_empty",
+                                                                 "pass on_bad_row='embed_empty'")
+        raise InputError(message) from None
+
+
+def _table_columns(inputs: Any, kind: str, text_column: str) -> Iterator[pa.Array]:
     _check_column(inputs, kind, text_column)
     if kind == "datasets":
         chunks = inputs.select_columns([text_column]).with_format("arrow").iter(batch_size=CHUNK_ROWS)
@@ -117,11 +135,8 @@ def _text_chunks(inputs: Any, *, text_column: str) -> Iterator[list[str]]:
     else:
         column = inputs.column(text_column)
         columns = (column.slice(s, CHUNK_ROWS) for s in range(0, len(column), CHUNK_ROWS))
-    start = 0
     for column in columns:
-        table = pa.table({"row": pa.array(np.arange(start, start + len(column))), "text": column})
-        yield table_rows(table, source="embed()", text_column="text", id_column="row").texts
-        start += len(column)
+        yield column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
 def _check_column(inputs: Any, kind: str, text_column: str) -> None:

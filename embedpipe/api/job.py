@@ -5,7 +5,7 @@
                         output={"path": "out/corpus"})
     result = job.run()                      # embedded local Ray, progress bar (a widget in notebooks)
     result = job.submit("ray://head:10001") # the same job on a running cluster
-    result.report, result.vectors_path, result.report_path
+    result.report, result.output_path, result.vectors_path
 """
 
 from __future__ import annotations
@@ -50,21 +50,23 @@ class Job:
         """A copy with some fields changed: ``job.replace(output={"path": "/tmp/x"})``."""
         return Job.from_spec(self.spec.replace(**sections))
 
-    def run(self, *, progress: bool = True):
-        """Run on ``cluster.address`` (empty: an embedded local Ray, started and stopped here).
+    def run(self, *, progress: bool = True, overwrite: bool = False):
+        """Run on ``cluster.address`` (empty: an embedded local Ray, started and stopped here), as
+        ``embedpipe run`` does: rerunning resumes the job's own unfinished output; ``overwrite``
+        replaces another job's output at ``output.path``.
 
-        Returns a ``RunResult``: ``report`` (the report.json dict), ``output_path``, ``vectors_path``,
-        ``report_path``. Reuses the Ray this process is already connected to, if any.
+        Returns a ``RunResult``: ``report`` (the report.json dict), ``output_path`` and ``vectors_path``.
+        Reuses the Ray this process is already connected to, if any.
         """
         from embedpipe.cluster.driver import run_job
 
-        return run_job(self.spec, progress=progress)
+        return run_job(self.spec, progress=progress, overwrite=overwrite)
 
-    def submit(self, address: str, *, progress: bool = True):
+    def submit(self, address: str, *, progress: bool = True, overwrite: bool = False):
         """Run on the Ray cluster at ``address`` (``auto``, ``host:port`` or ``ray://host:port``); blocks
         until done and returns the same result as ``run``. Input, model and output must be reachable
-        from the cluster's nodes (shared paths or URLs such as ``s3://``)."""
-        return self.replace(cluster={"address": address}).run(progress=progress)
+        from the cluster's nodes (shared paths, or input URLs such as ``s3://``)."""
+        return self.replace(cluster={"address": address}).run(progress=progress, overwrite=overwrite)
 
     def __repr__(self) -> str:
         s = self.spec

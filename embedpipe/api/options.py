@@ -1,7 +1,8 @@
 """``embed()``'s keyword options: job-file fields under their own names, validated by the job schema.
 
 Every field of ``model`` (but ``path``, which is ``model=``), ``output.dim``/``output.dtype`` where
-the schema has them, and the ``batching`` and ``runtime`` fields, so a new schema field is an
+the schema has them, ``input.on_bad_row`` (error or embed_empty: embed returns one row per input,
+so skip is refused), and the ``batching`` and ``runtime`` fields, so a new schema field is an
 option the day it lands. A name two sections share keeps its plain form for the first section
 in ``OPTION_SECTIONS`` and takes ``<section>_`` for the next: ``dtype`` is ``model.dtype``,
 ``output_dtype`` is ``output.dtype``.
@@ -12,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from embedpipe.config import SECTIONS, InputConfig, JobError, JobSpec, parse_section
+from embedpipe.config import SECTIONS, JobError, JobSpec, parse_section
 
 # section -> the fields that are options (None: all of them but `path`), in naming priority order
 OPTION_SECTIONS: dict[str, tuple[str, ...] | None] = {
     "model": None,
     "output": ("dim", "dtype"),
+    "input": ("on_bad_row",),
     "batching": None,
     "runtime": None,
 }
@@ -44,7 +46,7 @@ def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
     names = option_names()
     raw: dict[str, dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
     raw["model"]["path"] = model
-    raw["output"]["path"] = IN_PROCESS
+    raw["output"]["path"] = raw["input"]["path"] = IN_PROCESS
     for key, value in options.items():
         if key not in names:
             import difflib
@@ -62,4 +64,7 @@ def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
         except JobError as exc:  # name the keyword option, not the job-file field
             option = where.get(exc.field_path, exc.field_path)
             raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=SOURCE) from None
-    return JobSpec(input=InputConfig(path=IN_PROCESS), **sections)
+    if sections["input"].on_bad_row == "skip":
+        raise JobError("on_bad_row", "'skip' would leave rows without a vector (embed returns one row per input)",
+                       "pass on_bad_row='error' or 'embed_empty'", source=SOURCE)
+    return JobSpec(**sections)
