@@ -42,7 +42,7 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
         return "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
 
     assert output_of("q = embedpipe.embed(queries") .startswith("((3, 384)")
-    assert "'rows': 300" in output_of("result = job.run()")
+    assert "'rows': 300" in output_of("result = job.run(")
     assert output_of("matrix.shape") == "(300, 384)"
     assert float(output_of("one engine")) < 1e-4  # the job's vectors are embed()'s
     assert output_of("np.argsort").count("\n  0.") >= 9  # three hits for each of three queries
