@@ -1,0 +1,291 @@
+"""The index build, run by the driver after every unit is embedded:
+
+    scan parts (ids, uniform sample, hold-out queries) -> ids.parquet
+    -> for each candidate: train (driver) -> add (workers: per-unit shards | driver: in unit order)
+       -> merge shards in unit-id order -> exact neighbours -> recall, tune nprobe / efSearch
+    -> index.faiss, index.json, holdout.parquet under <output.path>/index/
+
+Sharded kinds (IVF without refine) are added by the workers, one shard per unit, merged by inverted
+list. Flat, HNSW, exhaustive codes and refine indexes are added by the driver from the parts in unit
+order (an HNSW graph cannot be merged from shards; a flat index is a copy). Either way one part is
+read at a time: the driver never holds all vectors, only the index it builds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from embedpipe.config import JobSpec
+from embedpipe.index.factory import IndexSpec
+from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
+from embedpipe.index.merge import merge_in_memory, merge_on_disk
+from embedpipe.index.parts import Part, Sample, UniformSampler, read_ids, read_vectors
+from embedpipe.index.plan import IndexPlan, index_dir
+from embedpipe.index.recall import ExactNeighbours, Neighbours, Tuning, tune
+from embedpipe.index.shard import ShardContext, build_shard
+from embedpipe.index.train import train_index
+
+log = logging.getLogger(__name__)
+
+K = 10
+FORMAT_VERSION = 1
+REFINE_K_FACTOR = 8  # refine stages re-rank k * this many candidates
+EF_SEARCH = (16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Built:
+    spec: IndexSpec
+    index: object  # faiss.Index, trained, filled, tuned
+    tuning: Tuning
+    on_disk: bool
+    seconds: float
+
+    def summary(self) -> dict:
+        m = self.tuning.chosen
+        return {"factory": self.spec.factory, "recall_at_10": m.recall_at_10, "recall_at_1": m.recall_at_1,
+                "search_params": m.params, "target_reached": self.tuning.reached,
+                "build_seconds": round(self.seconds, 3)}
+
+
+def search_steps(spec: IndexSpec, *, k: int) -> list[dict]:
+    """Search settings to try, cheapest first."""
+    fixed = {"k_factor_rf": REFINE_K_FACTOR} if spec.refine else {}
+    if spec.kind == "ivf":
+        probes = [2 ** i for i in range(spec.nlist.bit_length()) if 2 ** i <= spec.nlist]
+        if probes[-1] != spec.nlist:
+            probes.append(spec.nlist)
+        coarse = (lambda p: {"quantizer_efSearch": max(64, 2 * p)}) if spec.coarse_hnsw else (lambda p: {})
+        return [{"nprobe": p, **coarse(p), **fixed} for p in probes]
+    if spec.kind == "hnsw":
+        return [{"efSearch": ef, **fixed} for ef in EF_SEARCH if ef >= k]
+    if spec.refine:
+        return [{"k_factor_rf": f} for f in (1, 2, 4, 8, 16, 32, 64)]
+    return [{}]
+
+
+class IndexBuild:
+    """Built once per run by the driver (after the embedding pass); called with the worker actors."""
+
+    def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part]):
+        self.job, self.plan, self.parts = job, plan, parts
+        self.dir = index_dir(job)
+        self.work = self.dir / "_build"
+        self.k = min(K, plan.rows - 1)
+
+    def __call__(self, actors: list) -> dict:
+        started = time.perf_counter()
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        sample, ids = self._scan()
+        query_ids = self._query_ids(sample, ids)
+        exact: Neighbours | None = None
+        tried: list[dict] = []
+        best: Built | None = None
+        for spec in self.plan.candidates[: self.plan.max_tries]:
+            built, exact = self._build(spec, sample, ids, query_ids, exact, actors)
+            tried.append(built.summary())
+            log.info("index %s: recall@10 %.4f with %s", spec.factory, built.tuning.chosen.recall_at_10,
+                     built.tuning.chosen.params)
+            if best is None or built.tuning.reached or built.tuning.chosen.recall_at_10 > best.tuning.chosen.recall_at_10:
+                best = built  # the first to reach the target, else the best recall measured
+            if built.tuning.reached:
+                break
+            del built
+        report = self._write(best, tried, ids, query_ids, exact, seconds=time.perf_counter() - started)
+        shutil.rmtree(self.work, ignore_errors=True)
+        if self.job.output.format == "faiss":  # the parts were only the index's staging area
+            for part in self.parts:
+                Path(part.path).unlink(missing_ok=True)
+        return report
+
+    # ------------------------------------------------------------------ passes over the parts
+
+    def _scan(self) -> tuple[Sample, IdPlan]:
+        """One pass: integer ids checked for uniqueness, uniform training sample, hold-out queries;
+        a second, id-only pass writes ids.parquet."""
+        train = max(self.plan.train_rows(s) for s in self.plan.candidates)
+        sampler = UniformSampler(total=self.plan.rows, train=train, queries=self.plan.queries)
+        check = NativeIdCheck()
+        for part in self.parts:
+            ids, vectors = read_vectors(part.path)
+            if len(ids) != part.rows:
+                raise RuntimeError(f"{part.path} has {len(ids)} rows, unit {part.unit_id} has {part.rows}")
+            check(ids)
+            sampler(ids, vectors)
+        plan = plan_ids([(p.unit_id, p.rows) for p in self.parts], native=check.unique())
+        writer = IdMapWriter(self.work / "ids.parquet", plan)
+        for part in self.parts:
+            writer(part.unit_id, read_ids(part.path))
+        writer.close()
+        return sampler.result(self.plan.dim), plan
+
+    def _query_ids(self, sample: Sample, ids: IdPlan) -> np.ndarray:
+        if ids.native:
+            return sample.query_ids.cast(pa.int64()).to_numpy(zero_copy_only=False)
+        return sample.query_positions.astype(np.int64)  # dense: index id == position
+
+    def _build(self, spec: IndexSpec, sample: Sample, ids: IdPlan, query_ids: np.ndarray,
+               exact: Neighbours | None, actors: list) -> tuple[Built, Neighbours]:
+        started = time.perf_counter()
+        plan = self.plan
+        index = train_index(spec, sample.train[: plan.train_rows(spec)], dim=plan.dim, metric=plan.metric)
+        on_disk = spec.sharded and plan.on_disk(spec)
+        if spec.sharded:
+            part_exact = self._add_on_workers(index, spec, sample, ids, on_disk, actors)
+        else:
+            part_exact = self._add_on_driver(index, sample, ids)
+        exact = exact if exact is not None else part_exact
+        tuning = tune(index, steps=search_steps(spec, k=self.k), queries=sample.queries, query_ids=query_ids,
+                      exact=exact, k=self.k, target=plan.target_recall)
+        return Built(spec, index, tuning, on_disk, time.perf_counter() - started), exact
+
+    def _add_on_driver(self, index, sample: Sample, ids: IdPlan) -> Neighbours:
+        exact_of = ExactNeighbours(sample.queries, width=self.k + 1, metric=self.plan.metric)
+        exact = Neighbours.empty(len(sample.queries), self.k + 1)
+        for part in self.parts:  # unit order
+            raw, vectors = read_vectors(part.path)
+            index_ids = ids.index_ids(part.unit_id, raw)
+            index.add_with_ids(vectors, index_ids)
+            exact = exact.merge(exact_of(vectors, index_ids))
+        return exact
+
+    def _add_on_workers(self, index, spec: IndexSpec, sample: Sample, ids: IdPlan, on_disk: bool,
+                        actors: list) -> Neighbours:
+        import faiss
+
+        shard_dir = self.work / "shards"
+        context = ShardContext(build_id=uuid.uuid4().hex, trained=faiss.serialize_index(index), ids=ids,
+                               queries=sample.queries, width=self.k + 1, metric=self.plan.metric,
+                               shard_dir=str(shard_dir))
+        if actors:
+            import ray
+
+            results = list(_first_come_first_served(actors, ray.put(context), self.parts))
+        else:  # no workers (tests, notebooks): the same shard builder, in this process
+            state: dict = {}
+            results = [build_shard(state, context, part) for part in self.parts]
+        order = {p.unit_id: i for i, p in enumerate(self.parts)}
+        results.sort(key=lambda r: order[r.unit_id])
+        exact = Neighbours.empty(len(sample.queries), self.k + 1)
+        for r in results:
+            exact = exact.merge(r.exact)
+        shards = [r.shard for r in results]
+        if on_disk:
+            merge_on_disk(index, shards, self.dir / "index.ivfdata")
+        else:
+            merge_in_memory(index, shards)
+        shutil.rmtree(shard_dir, ignore_errors=True)
+        return exact
+
+    # ------------------------------------------------------------------ outputs
+
+    def _write(self, best: Built, tried: list[dict], ids: IdPlan, query_ids: np.ndarray, exact: Neighbours,
+               *, seconds: float) -> dict:
+        import faiss
+
+        final = self.dir / "index.faiss"
+        tmp = self.work / "index.faiss"
+        faiss.write_index(best.index, str(tmp))
+        os.replace(self.work / "ids.parquet", self.dir / "ids.parquet")
+        pq.write_table(pa.table({"index_id": query_ids, "exact": pa.array(list(exact.ids)),
+                                 "exact_score": pa.array(list(exact.scores))}), self.dir / "holdout.parquet")
+        os.replace(tmp, final)
+        if not best.on_disk:
+            (self.dir / "index.ivfdata").unlink(missing_ok=True)
+        size = final.stat().st_size + (os.path.getsize(self.dir / "index.ivfdata") if best.on_disk else 0)
+        m = best.tuning.chosen
+        report = {
+            "factory": best.spec.factory,
+            "auto": self.plan.auto,
+            "kind": best.spec.kind,
+            "metric": self.plan.metric,
+            "ntotal": int(best.index.ntotal),
+            "recall_at_10": m.recall_at_10,
+            "recall_at_1": m.recall_at_1,
+            "search_params": m.params,
+            "target_recall": self.plan.target_recall,
+            "target_reached": best.tuning.reached,
+            "bytes": size,
+            "build_seconds": round(seconds, 3),
+            "on_disk": best.on_disk,
+            "ids": "native" if ids.native else "dense",
+            "queries": int(len(query_ids)),
+            "train_vectors": self.plan.train_rows(best.spec),
+            "path": str(self.dir),
+            "tried": tried,
+        }
+        warnings = [*self.plan.warnings, *filter(None, [self._warning(best)])]
+        for warning in warnings:
+            log.warning(warning)
+        report["warnings"] = warnings
+        meta = {"format_version": FORMAT_VERSION, **{k: report[k] for k in (
+                    "factory", "kind", "metric", "ntotal", "search_params", "ids", "on_disk",
+                    "recall_at_10", "recall_at_1", "target_recall", "target_reached")},
+                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.to_dict()}
+        meta_tmp = self.work / "index.json"
+        meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(meta_tmp, self.dir / "index.json")
+        return report
+
+    def _warning(self, best: Built) -> str | None:
+        if best.tuning.reached:
+            return None
+        spec, m = best.spec, best.tuning.chosen
+        if spec.exact:
+            fix = "exact search cannot do better; ties between duplicate vectors count as misses"
+        elif self.plan.auto:
+            fix = ("no configuration that fits output.index_memory_gb reaches it: raise output.index_memory_gb "
+                   "(a larger code) or lower output.target_recall")
+        elif spec.code.startswith("PQ") and not spec.refine:
+            fix = (f"add a refine stage (output.index: {spec.factory},RFlat or {spec.factory},Refine(SQfp16)) "
+                   f"or a larger code (more PQ sub-quantizers, SQ8, SQfp16), or use output.index: auto")
+        elif spec.kind == "hnsw":
+            fix = f"use a larger graph (HNSW{2 * spec.hnsw_m}) or output.index: auto"
+        else:
+            fix = "use a larger code (SQfp16 or Flat), a refine stage (,RFlat), or output.index: auto"
+        params = ", ".join(f"{k}={v}" for k, v in m.params.items()) or "exhaustive search"
+        return (f"index {spec.factory} reaches recall@10 {m.recall_at_10:.3f} at best ({params}), below "
+                f"output.target_recall {self.plan.target_recall}: {fix}")
+
+
+def plan_index_build(job: JobSpec, units: list) -> IndexBuild | None:
+    """The driver's index step for ``units``, checked before any worker starts (JobError names the
+    field); None when the job writes no index."""
+    if job.output.format == "parquet":
+        return None
+    from embedpipe.index.plan import plan_index
+    from embedpipe.io.writer import ParquetPartWriter
+
+    plan = plan_index(job, rows=sum(u.num_rows for u in units))
+    writer = ParquetPartWriter(output_path=job.output.path)
+    parts = [Part(u.id, str(writer.path_for(u.id)), u.num_rows) for u in units]
+    return IndexBuild(job, plan, parts=parts)
+
+
+def _first_come_first_served(actors: list, context_ref, parts: list[Part]):
+    """Hand one part at a time to each worker; a worker that finishes takes the next."""
+    import ray
+
+    queue, inflight = deque(parts), {}
+    for actor in actors:
+        if queue:
+            inflight[actor.build_shard.remote(context_ref, queue.popleft())] = actor
+    while inflight:
+        [ready], _ = ray.wait(list(inflight), num_returns=1)
+        actor = inflight.pop(ready)
+        if queue:
+            inflight[actor.build_shard.remote(context_ref, queue.popleft())] = actor
+        yield ray.get(ready)
