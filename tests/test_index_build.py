@@ -21,7 +21,7 @@ from embedpipe.index.search import open_index
 from embedpipe.index.shard import ShardBuilder, ShardContext
 from embedpipe.io.writer import ParquetPartWriter
 from tests.conftest import QUICKSTART, write_job
-from tests.index_helpers import recompute_recall
+from tests.index_helpers import assert_same_neighbours, recompute_recall
 
 DIM, ROWS, UNITS = 32, 4000, 4
 
@@ -71,7 +71,8 @@ def test_flat_is_exact_and_ids_map_back(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, index="Flat")
     report = index_build(actors=[])
     assert report["factory"] == "Flat" and report["ntotal"] == ROWS and report["ids"] == "dense"
-    assert report["recall_at_10"] == 1.0 and report["target_reached"] and report["search_params"] == {}
+    assert report["recall_at_10"] == report["recall_at_1"] == 1.0 and report["target_reached"]
+    assert report["search_params"] == {}
     ids = pq.read_table(out / "index" / "ids.parquet")
     assert ids["index_id"].to_pylist() == list(range(ROWS)) and ids["id"][7].as_py() == "doc-7"
     hits = open_index(out).search_vectors(vectors[[7, 3999]], k=3)
@@ -88,7 +89,7 @@ def test_reported_recall_equals_recomputed(tmp_path, vectors, factory, parameter
     index_ids = np.array(pq.read_table(out / "index" / "ids.parquet")["index_id"].to_pylist())
     r10, r1, stored_exact, exact = recompute_recall(out / "index", index_ids, vectors)
     assert parameter in report["search_params"]
-    assert np.array_equal(stored_exact, exact)
+    assert_same_neighbours(stored_exact, exact)
     assert (report["recall_at_10"], report["recall_at_1"]) == (r10, r1)
     meta = json.loads((out / "index" / "index.json").read_text())
     assert meta["search_params"] == report["search_params"] and meta["factory"] == factory
@@ -194,3 +195,24 @@ def test_sampler_is_uniform_over_the_corpus_not_the_first_rows():
     assert len(set(drawn)) == 2_000 and drawn.max() > 95_000 and drawn.min() < 5_000
     assert abs(np.median(drawn[:500]) - 50_000) < 8_000  # a prefix is a uniform sample too
     assert sample.query_ids.to_pylist() == sample.query_positions.tolist()
+
+
+def test_ties_count_as_hits():
+    """Query 0's neighbours 5 and 6 are duplicates (same score): either one at rank 1 is right."""
+    from embedpipe.index.recall import Neighbours, recall
+
+    exact = Neighbours(np.array([[0, 5, 6, 7, -1]]), np.array([[1.0, 0.9, 0.9, 0.5, -np.inf]], np.float32))
+    qids = np.array([0])
+    assert recall(np.array([[0, 6, 5]]), exact, qids, k=1, at=1) == 1.0
+    assert recall(np.array([[6, 0, 7]]), exact, qids, k=1, at=1) == 1.0  # the query itself is skipped
+    assert recall(np.array([[0, 7, 6]]), exact, qids, k=1, at=1) == 0.0
+    assert recall(np.array([[0, 6, 7]]), exact, qids, k=2, at=2) == 0.5  # 5 or 6 found, 7 is not in the top 2
+    assert recall(np.array([[5, 6, 0]]), exact, qids, k=2, at=2) == 1.0
+
+
+def test_exact_index_scores_one_with_duplicate_vectors(tmp_path, vectors):
+    dup = vectors.copy()
+    dup[1::2] = dup[0::2]  # every vector twice
+    index_build, _ = build(tmp_path, dup, index="Flat")
+    report = index_build(actors=[])
+    assert report["recall_at_10"] == report["recall_at_1"] == 1.0

@@ -33,7 +33,7 @@ from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
 from embedpipe.index.merge import merge_in_memory, merge_on_disk
 from embedpipe.index.parts import Part, Sample, UniformSampler, read_ids, read_vectors
 from embedpipe.index.plan import IndexPlan, index_dir
-from embedpipe.index.recall import ExactNeighbours, Neighbours, Tuning, tune
+from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardContext, build_shard
 from embedpipe.index.train import train_index
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 K = 10
 FORMAT_VERSION = 1
-REFINE_K_FACTOR = 8  # refine stages re-rank k * this many candidates
+REFINE_K_FACTORS = (4, 16, 64)  # refine stages re-rank k * k_factor candidates
 EF_SEARCH = (16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -60,20 +60,16 @@ class Built:
                 "build_seconds": round(self.seconds, 3)}
 
 
-def search_steps(spec: IndexSpec, *, k: int) -> list[dict]:
-    """Search settings to try, cheapest first."""
-    fixed = {"k_factor_rf": REFINE_K_FACTOR} if spec.refine else {}
+def search_sweeps(spec: IndexSpec, *, k: int) -> list[list[dict]]:
+    """Search settings to try: sweeps of settings, each cheapest first."""
+    factors = [{"k_factor_rf": f} for f in REFINE_K_FACTORS] if spec.refine else [{}]
     if spec.kind == "ivf":
-        probes = [2 ** i for i in range(spec.nlist.bit_length()) if 2 ** i <= spec.nlist]
-        if probes[-1] != spec.nlist:
-            probes.append(spec.nlist)
+        probes = [2 ** i for i in range(spec.nlist.bit_length()) if 2 ** i < spec.nlist] + [spec.nlist]
         coarse = (lambda p: {"quantizer_efSearch": max(64, 2 * p)}) if spec.coarse_hnsw else (lambda p: {})
-        return [{"nprobe": p, **coarse(p), **fixed} for p in probes]
+        return [[{"nprobe": p, **coarse(p), **f} for p in probes] for f in factors]
     if spec.kind == "hnsw":
-        return [{"efSearch": ef, **fixed} for ef in EF_SEARCH if ef >= k]
-    if spec.refine:
-        return [{"k_factor_rf": f} for f in (1, 2, 4, 8, 16, 32, 64)]
-    return [{}]
+        return [[{"efSearch": ef, **f} for ef in EF_SEARCH if ef >= k] for f in factors]
+    return [factors]
 
 
 class IndexBuild:
@@ -94,7 +90,7 @@ class IndexBuild:
         exact: Neighbours | None = None
         tried: list[dict] = []
         best: Built | None = None
-        for spec in self.plan.candidates[: self.plan.max_tries]:
+        for spec in self.plan.candidates:
             built, exact = self._build(spec, sample, ids, query_ids, exact, actors)
             tried.append(built.summary())
             log.info("index %s: recall@10 %.4f with %s", spec.factory, built.tuning.chosen.recall_at_10,
@@ -148,13 +144,13 @@ class IndexBuild:
         else:
             part_exact = self._add_on_driver(index, sample, ids)
         exact = exact if exact is not None else part_exact
-        tuning = tune(index, steps=search_steps(spec, k=self.k), queries=sample.queries, query_ids=query_ids,
+        tuning = tune(index, sweeps=search_sweeps(spec, k=self.k), queries=sample.queries, query_ids=query_ids,
                       exact=exact, k=self.k, target=plan.target_recall)
         return Built(spec, index, tuning, on_disk, time.perf_counter() - started), exact
 
     def _add_on_driver(self, index, sample: Sample, ids: IdPlan) -> Neighbours:
-        exact_of = ExactNeighbours(sample.queries, width=self.k + 1, metric=self.plan.metric)
-        exact = Neighbours.empty(len(sample.queries), self.k + 1)
+        exact_of = ExactNeighbours(sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric)
+        exact = Neighbours.empty(len(sample.queries), self.k + 1 + TIE_SLACK)
         for part in self.parts:  # unit order
             raw, vectors = read_vectors(part.path)
             index_ids = ids.index_ids(part.unit_id, raw)
@@ -168,7 +164,7 @@ class IndexBuild:
 
         shard_dir = self.work / "shards"
         context = ShardContext(build_id=uuid.uuid4().hex, trained=faiss.serialize_index(index), ids=ids,
-                               queries=sample.queries, width=self.k + 1, metric=self.plan.metric,
+                               queries=sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric,
                                shard_dir=str(shard_dir))
         if actors:
             import ray
@@ -179,7 +175,7 @@ class IndexBuild:
             results = [build_shard(state, context, part) for part in self.parts]
         order = {p.unit_id: i for i, p in enumerate(self.parts)}
         results.sort(key=lambda r: order[r.unit_id])
-        exact = Neighbours.empty(len(sample.queries), self.k + 1)
+        exact = Neighbours.empty(len(sample.queries), self.k + 1 + TIE_SLACK)
         for r in results:
             exact = exact.merge(r.exact)
         shards = [r.shard for r in results]
@@ -247,8 +243,9 @@ class IndexBuild:
         if spec.exact:
             fix = "exact search cannot do better; ties between duplicate vectors count as misses"
         elif self.plan.auto:
-            fix = ("no configuration that fits output.index_memory_gb reaches it: raise output.index_memory_gb "
-                   "(a larger code) or lower output.target_recall")
+            fix = (f"no index that fits output.index_memory_gb={self.job.output.index_memory_gb:g} reaches it; "
+                   f"{self.plan.upgrade or 'raise output.index_memory_gb'} (a larger code), "
+                   f"or lower output.target_recall")
         elif spec.code.startswith("PQ") and not spec.refine:
             fix = (f"add a refine stage (output.index: {spec.factory},RFlat or {spec.factory},Refine(SQfp16)) "
                    f"or a larger code (more PQ sub-quantizers, SQ8, SQfp16), or use output.index: auto")

@@ -51,11 +51,7 @@ class IndexPlan:
     target_recall: float
     query_prompt: str
     warnings: tuple[str, ...] = ()
-
-    @property
-    def max_tries(self) -> int:
-        """Candidates built at most: auto falls back twice when one misses the target."""
-        return AUTO_TRIES if self.auto else 1
+    upgrade: str = ""  # auto: the next better index and the budget it needs ("" when none is better)
 
     @property
     def queries(self) -> int:
@@ -77,7 +73,12 @@ def model_facts(job: JobSpec) -> ModelFacts:
     from embedpipe.models.resolve import resolve_model_path
     from embedpipe.models.st import dense_dim, read_st_spec
 
-    root = resolve_model_path(job.model.path)
+    from embedpipe.models.resolve import ModelNotFound
+
+    try:
+        root = resolve_model_path(job.model.path)
+    except ModelNotFound as exc:
+        raise JobError("model.path", str(exc), "install the model where the driver runs too") from None
     spec = read_st_spec(root)
     config = json.loads((root / spec.transformer_dir / "config.json").read_text())
     hidden = config.get("hidden_size") or config.get("d_model")
@@ -96,15 +97,27 @@ def plan_index(job: JobSpec, *, rows: int, model: ModelFacts | None = None) -> I
         raise JobError("input.path", f"holds {rows} row(s); an index needs at least 2",
                        "add rows or set output.format: parquet")
     if out.index == "auto":
-        fitting = [s for s in auto_ladder(rows, model.dim) if s.memory_bytes(rows, model.dim) <= budget]
+        ladder = auto_ladder(rows, model.dim)
+        fitting = [s for s in ladder if s.memory_bytes(rows, model.dim) <= budget]
         if not fitting:
-            smallest = min(auto_ladder(rows, model.dim), key=lambda s: s.memory_bytes(rows, model.dim))
+            smallest = min(ladder, key=lambda s: s.memory_bytes(rows, model.dim))
             need = smallest.memory_bytes(rows, model.dim) / GB
             raise JobError("output.index_memory_gb",
                            f"{out.index_memory_gb:g} GB is too small for any index of {rows:,} vectors of "
                            f"dimension {model.dim}: the smallest, {smallest.factory}, needs {need:.3g} GB",
                            f"raise output.index_memory_gb to at least {_round_up(need)}")
-        return IndexPlan(tuple(fitting), True, rows, model.dim, metric, budget, out.target_recall, model.query_prompt)
+        chosen = fitting[0]
+        # fallbacks: uncompressed indexes of another kind (HNSW missing -> IVF-Flat); a smaller code
+        # of the same ladder cannot do better than the one that missed
+        fallbacks = [s for s in fitting[1:] if s.code == "Flat" and not s.transform and s.kind != chosen.kind]
+        better = ladder[: ladder.index(chosen)]
+        upgrade = ""
+        if better:
+            up = better[-1]
+            upgrade = (f"{up.factory} fits with output.index_memory_gb: "
+                       f"{_round_up(up.memory_bytes(rows, model.dim) / GB)}")
+        return IndexPlan((chosen, *fallbacks[: AUTO_TRIES - 1]), True, rows, model.dim, metric, budget,
+                         out.target_recall, model.query_prompt, upgrade=upgrade)
     try:
         spec = parse_factory(out.index)
         warnings = check_spec(spec, dim=model.dim, rows=rows)
@@ -171,7 +184,7 @@ def describe_plan(plan: IndexPlan) -> str:
     line = (f"index: {first.factory}{' (auto)' if plan.auto else ''}, about {size:.3g} GB"
             f"{' (inverted lists on disk)' if first.sharded and plan.on_disk(first) else ''}, metric {plan.metric}, "
             f"target recall@10 {plan.target_recall}")
-    fallbacks = [s.factory for s in plan.candidates[1: plan.max_tries]]
+    fallbacks = [s.factory for s in plan.candidates[1:]]
     if fallbacks:
         line += f"; if it misses the target: {', then '.join(fallbacks)}"
     return "\n".join([line, *(f"warning: {w}" for w in plan.warnings)])

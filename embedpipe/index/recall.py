@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SCORE_SIGN = {"inner_product": 1.0, "l2": -1.0}  # scores: higher is better for both metrics
+TIE_SLACK = 10  # exact neighbours kept beyond k + 1, to recognise ties with the k-th
+TIE_EPS = 1e-6
 
 
 @dataclass
@@ -55,20 +57,37 @@ class ExactNeighbours:
                                     np.pad(part.scores, ((0, 0), (0, self.width - k)), constant_values=-np.inf)))
 
 
-def without_self(ids: np.ndarray, query_ids: np.ndarray, k: int) -> np.ndarray:
-    """The first ``k`` ids of each row that are not the query's own id (and not -1)."""
+def without_self(ids: np.ndarray, query_ids: np.ndarray, k: int, scores: np.ndarray | None = None):
+    """The first ``k`` ids of each row that are not the query's own id (nor -1), with their scores."""
     out = np.full((len(ids), k), -1, np.int64)
+    out_scores = np.full((len(ids), k), -np.inf, np.float32)
     for q, (row, own) in enumerate(zip(ids, query_ids)):
-        kept = row[(row != own) & (row >= 0)][:k]
+        keep = (row != own) & (row >= 0)
+        kept = row[keep][:k]
         out[q, : len(kept)] = kept
-    return out
+        if scores is not None:
+            out_scores[q, : len(kept)] = scores[q][keep][:k]
+    return out, out_scores
 
 
-def recall(found: np.ndarray, exact: np.ndarray, query_ids: np.ndarray, *, k: int, at: int) -> float:
-    """k-recall@at: the share of each query's ``k`` exact neighbours found in its first ``at`` results."""
-    f, e = without_self(found, query_ids, at), without_self(exact, query_ids, k)
-    hits = sum(len(set(fr[fr >= 0]) & set(er[er >= 0])) for fr, er in zip(f, e))
-    total = int((e >= 0).sum())
+def recall(found: np.ndarray, exact: Neighbours, query_ids: np.ndarray, *, k: int, at: int) -> float:
+    """k-recall@at: the share of each query's ``k`` exact neighbours among its first ``at`` results.
+
+    Ties count: a result whose exact score equals the k-th exact score (a duplicate vector, say) is
+    as good as the neighbour it ties with, so an exact index scores 1.0 whatever order ties come in.
+    ``exact`` is wider than k (TIE_SLACK extra columns) so that tied rows are known with their scores.
+    """
+    f, _ = without_self(found, query_ids, at)
+    e, e_scores = without_self(exact.ids, query_ids, exact.ids.shape[1], exact.scores)
+    hits = total = 0
+    for fr, er, es in zip(f, e, e_scores):
+        valid = int((er[:k] >= 0).sum())
+        if not valid:
+            continue
+        threshold = es[valid - 1] - TIE_EPS
+        good = set(er[:valid]) | set(er[(es >= threshold) & (er >= 0)])
+        hits += min(valid, len(set(fr[fr >= 0]) & good))
+        total += valid
     return hits / total if total else 1.0
 
 
@@ -89,28 +108,34 @@ class Tuning:
 def measure(index, queries: np.ndarray, query_ids: np.ndarray, exact: Neighbours, *, k: int) -> Measured:
     """Search the hold-out queries (k+1: the query itself may come back) and score 10-recall@10, 1-recall@1."""
     _, found = index.search(queries, k + 1)
-    return Measured({}, round(recall(found, exact.ids, query_ids, k=k, at=k), 4),
-                    round(recall(found, exact.ids, query_ids, k=1, at=1), 4))
+    return Measured({}, round(recall(found, exact, query_ids, k=k, at=k), 4),
+                    round(recall(found, exact, query_ids, k=1, at=1), 4))
 
 
-def tune(index, *, steps: list[dict], queries: np.ndarray, query_ids: np.ndarray, exact: Neighbours,
+def tune(index, *, sweeps: list[list[dict]], queries: np.ndarray, query_ids: np.ndarray, exact: Neighbours,
          k: int, target: float) -> Tuning:
-    """The first of ``steps`` (search parameters, cheapest first) whose recall@k reaches ``target``;
-    else the best step tried. The chosen parameters are left set on ``index``."""
+    """The first search setting whose recall@k reaches ``target``; else the best one tried.
+
+    ``sweeps``: lists of settings, each cheapest first (e.g. nprobe 1, 2, 4, ... at one refine
+    k_factor); a sweep stops early once more searching stops helping (a compression limit).
+    The chosen setting is left on ``index``."""
     import faiss
 
     space = faiss.ParameterSpace()
     curve: list[Measured] = []
-    for params in steps or [{}]:
-        for name, value in params.items():
-            space.set_index_parameter(index, name, value)
-        m = measure(index, queries, query_ids, exact, k=k)
-        m.params = dict(params)
-        curve.append(m)
-        if m.recall_at_10 >= target:
-            return Tuning(m, True, curve)
-        if len(curve) >= 3 and curve[-1].recall_at_10 <= curve[-3].recall_at_10:
-            break  # flat: searching more does not help (a compression limit)
+    for steps in sweeps or [[{}]]:
+        tried = []
+        for params in steps:
+            for name, value in params.items():
+                space.set_index_parameter(index, name, value)
+            m = measure(index, queries, query_ids, exact, k=k)
+            m.params = dict(params)
+            curve.append(m)
+            tried.append(m.recall_at_10)
+            if m.recall_at_10 >= target:
+                return Tuning(m, True, curve)
+            if len(tried) >= 3 and tried[-1] <= tried[-3]:
+                break
     best = max(curve, key=lambda c: (c.recall_at_10, -curve.index(c)))
     for name, value in best.params.items():
         space.set_index_parameter(index, name, value)
