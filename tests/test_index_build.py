@@ -79,6 +79,7 @@ def test_flat_is_exact_and_ids_map_back(tmp_path, vectors):
     assert hits[0][0][0] == "doc-7" and hits[1][0][0] == "doc-3999" and hits[0][0][1] == pytest.approx(1.0, abs=1e-5)
     assert (out / "vectors").is_dir() and len(list((out / "vectors").iterdir())) == UNITS  # format both keeps them
     assert not (out / "index" / "_build").exists()
+    assert set(report["stages"]) == {"sample", "train", "add", "tune", "write"} and report["build_seconds"] > 0
 
 
 @pytest.mark.parametrize("factory, parameter", [("IVF32,PQ8x4", "nprobe"), ("HNSW16", "efSearch"),
@@ -89,6 +90,7 @@ def test_reported_recall_equals_recomputed(tmp_path, vectors, factory, parameter
     index_ids = np.array(pq.read_table(out / "index" / "ids.parquet")["index_id"].to_pylist())
     r10, r1, stored_exact, exact = recompute_recall(out / "index", index_ids, vectors)
     assert parameter in report["search_params"]
+    assert ("merge" in report["stages"]) == parse_factory(factory).sharded
     assert_same_neighbours(stored_exact, exact)
     assert (report["recall_at_10"], report["recall_at_1"]) == (r10, r1)
     meta = json.loads((out / "index" / "index.json").read_text())

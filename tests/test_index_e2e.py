@@ -64,9 +64,9 @@ def index_ids_of(out) -> tuple[list, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def flat(tmp_path_factory, corpus, ray_session, minilm_dir):
-    """Flat, 2 workers, format both: the vectors stay and are the reference for the other runs."""
+    """Flat, format both: the vectors stay and are the reference for the other runs."""
     tmp = tmp_path_factory.mktemp("flat")
-    out, report, printed = run(tmp, corpus[1], name="flat", workers=2, format="both", index="Flat")
+    out, report, printed = run(tmp, corpus[1], name="flat", format="both", index="Flat")
     table = ds.dataset(out / "vectors", format="parquet").to_table()
     vectors = dict(zip(table["id"].to_pylist(), np.asarray(table["embedding"].to_pylist(), dtype=np.float32)))
     return out, report, printed, vectors

@@ -36,6 +36,7 @@ from embedpipe.index.plan import IndexPlan, index_dir
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardContext, build_shard
 from embedpipe.index.train import train_index
+from embedpipe.report.counters import Counters
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,14 @@ class IndexBuild:
         self.dir = index_dir(job)
         self.work = self.dir / "_build"
         self.k = min(K, plan.rows - 1)
+        self.timer = Counters(stages={})  # seconds per index stage: sample, train, add, merge, tune, write
 
     def __call__(self, actors: list) -> dict:
         started = time.perf_counter()
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
-        sample, ids = self._scan()
+        with self.timer.time("sample"):
+            sample, ids = self._scan()
         query_ids = self._query_ids(sample, ids)
         exact: Neighbours | None = None
         tried: list[dict] = []
@@ -100,7 +103,10 @@ class IndexBuild:
             if built.tuning.reached:
                 break
             del built
-        report = self._write(best, tried, ids, query_ids, exact, seconds=time.perf_counter() - started)
+        with self.timer.time("write"):
+            report = self._write(best, tried, ids, query_ids, exact)
+        report["build_seconds"] = round(time.perf_counter() - started, 3)
+        report["stages"] = {k: round(v, 3) for k, v in self.timer.stages.items()}
         shutil.rmtree(self.work, ignore_errors=True)
         if self.job.output.format == "faiss":  # the parts were only the index's staging area
             for part in self.parts:
@@ -137,15 +143,18 @@ class IndexBuild:
                exact: Neighbours | None, actors: list) -> tuple[Built, Neighbours]:
         started = time.perf_counter()
         plan = self.plan
-        index = train_index(spec, sample.train[: plan.train_rows(spec)], dim=plan.dim, metric=plan.metric)
+        with self.timer.time("train"):
+            index = train_index(spec, sample.train[: plan.train_rows(spec)], dim=plan.dim, metric=plan.metric)
         on_disk = spec.sharded and plan.on_disk(spec)
         if spec.sharded:
             part_exact = self._add_on_workers(index, spec, sample, ids, on_disk, actors)
         else:
-            part_exact = self._add_on_driver(index, sample, ids)
+            with self.timer.time("add"):
+                part_exact = self._add_on_driver(index, sample, ids)
         exact = exact if exact is not None else part_exact
-        tuning = tune(index, sweeps=search_sweeps(spec, k=self.k), queries=sample.queries, query_ids=query_ids,
-                      exact=exact, k=self.k, target=plan.target_recall)
+        with self.timer.time("tune"):
+            tuning = tune(index, sweeps=search_sweeps(spec, k=self.k), queries=sample.queries,
+                          query_ids=query_ids, exact=exact, k=self.k, target=plan.target_recall)
         return Built(spec, index, tuning, on_disk, time.perf_counter() - started), exact
 
     def _add_on_driver(self, index, sample: Sample, ids: IdPlan) -> Neighbours:
@@ -169,27 +178,29 @@ class IndexBuild:
         if actors:
             import ray
 
-            results = list(_first_come_first_served(actors, ray.put(context), self.parts))
+            results = _first_come_first_served(actors, ray.put(context), self.parts)
         else:  # no workers (tests, notebooks): the same shard builder, in this process
             state: dict = {}
-            results = [build_shard(state, context, part) for part in self.parts]
-        order = {p.unit_id: i for i, p in enumerate(self.parts)}
-        results.sort(key=lambda r: order[r.unit_id])
+            results = (build_shard(state, context, part) for part in self.parts)
         exact = Neighbours.empty(len(sample.queries), self.k + 1 + TIE_SLACK)
-        for r in results:
-            exact = exact.merge(r.exact)
-        shards = [r.shard for r in results]
-        if on_disk:
-            merge_on_disk(index, shards, self.dir / "index.ivfdata")
-        else:
-            merge_in_memory(index, shards)
+        shards: dict[str, str] = {}
+        with self.timer.time("add"):
+            for r in results:  # as they finish; the merge order is fixed below
+                exact = exact.merge(r.exact)
+                shards[r.unit_id] = r.shard
+        in_unit_order = [shards[p.unit_id] for p in self.parts]
+        with self.timer.time("merge"):
+            if on_disk:
+                merge_on_disk(index, in_unit_order, self.dir / "index.ivfdata")
+            else:
+                merge_in_memory(index, in_unit_order)
         shutil.rmtree(shard_dir, ignore_errors=True)
         return exact
 
     # ------------------------------------------------------------------ outputs
 
-    def _write(self, best: Built, tried: list[dict], ids: IdPlan, query_ids: np.ndarray, exact: Neighbours,
-               *, seconds: float) -> dict:
+    def _write(self, best: Built, tried: list[dict], ids: IdPlan, query_ids: np.ndarray,
+               exact: Neighbours) -> dict:
         import faiss
 
         final = self.dir / "index.faiss"
@@ -215,7 +226,7 @@ class IndexBuild:
             "target_recall": self.plan.target_recall,
             "target_reached": best.tuning.reached,
             "bytes": size,
-            "build_seconds": round(seconds, 3),
+            "build_seconds": None,  # set by the caller, writing included
             "on_disk": best.on_disk,
             "ids": "native" if ids.native else "dense",
             "queries": int(len(query_ids)),

@@ -15,6 +15,7 @@ import numpy as np
 SCORE_SIGN = {"inner_product": 1.0, "l2": -1.0}  # scores: higher is better for both metrics
 TIE_SLACK = 10  # exact neighbours kept beyond k + 1, to recognise ties with the k-th
 TIE_EPS = 1e-6
+FLAT_CURVE = 0.002  # a sweep stops once two more steps gained less recall than this
 
 
 @dataclass
@@ -134,7 +135,7 @@ def tune(index, *, sweeps: list[list[dict]], queries: np.ndarray, query_ids: np.
             tried.append(m.recall_at_10)
             if m.recall_at_10 >= target:
                 return Tuning(m, True, curve)
-            if len(tried) >= 3 and tried[-1] <= tried[-3]:
+            if len(tried) >= 3 and tried[-1] - tried[-3] < FLAT_CURVE:
                 break
     best = max(curve, key=lambda c: (c.recall_at_10, -curve.index(c)))
     for name, value in best.params.items():
