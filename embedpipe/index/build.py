@@ -13,13 +13,13 @@ read at a time: the driver never holds all vectors, only the index it builds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,10 +31,10 @@ from embedpipe.config import JobSpec
 from embedpipe.index.factory import IndexSpec
 from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
 from embedpipe.index.merge import merge_in_memory, merge_on_disk
-from embedpipe.index.parts import Part, Sample, UniformSampler, read_ids, read_vectors
+from embedpipe.index.parts import Part, Sample, UniformSampler, existing_parts, read_ids, read_vectors
 from embedpipe.index.plan import IndexPlan, index_dir
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
-from embedpipe.index.shard import ShardContext, build_shard
+from embedpipe.index.shard import ShardBuilder, ShardContext, ShardWorker
 from embedpipe.index.train import train_index
 from embedpipe.report.counters import Counters
 
@@ -74,17 +74,32 @@ def search_sweeps(spec: IndexSpec, *, k: int) -> list[list[dict]]:
 
 
 class IndexBuild:
-    """Built once per run by the driver (after the embedding pass); called with the worker actors."""
+    """Built once per run by the driver (before any worker starts: the plan is checked then);
+    called after every unit is embedded."""
 
     def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part]):
-        self.job, self.plan, self.parts = job, plan, parts
+        self.job, self.plan, self.planned = job, plan, parts
         self.dir = index_dir(job)
         self.work = self.dir / "_build"
-        self.k = min(K, plan.rows - 1)
         self.timer = Counters(stages={})  # seconds per index stage: sample, train, add, merge, tune, write
 
-    def __call__(self, actors: list) -> dict:
+    def __call__(self, *, use_ray: bool = True) -> dict:
+        """Build (or keep the index an earlier run built from these same parts); the report section.
+        ``use_ray=False`` adds the shards in this process (tests, notebooks)."""
         started = time.perf_counter()
+        self.parts = existing_parts(self.planned)
+        missing = len(self.planned) - len(self.parts)
+        if missing:
+            log.warning("index: %d of %d units have no vector part (failed units); the index leaves them out",
+                        missing, len(self.planned))
+        previous = self._finished()
+        if previous is not None:
+            log.warning("index: %s already holds the index of these parts; kept", self.dir)
+            return previous
+        self.plan = dataclasses.replace(self.plan, rows=sum(p.rows for p in self.parts))
+        self.k = min(K, self.plan.rows - 1)
+        self.use_ray = use_ray
+        (self.dir / "index.json").unlink(missing_ok=True)  # not finished until written again
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
         with self.timer.time("sample"):
@@ -94,7 +109,7 @@ class IndexBuild:
         tried: list[dict] = []
         best: Built | None = None
         for spec in self.plan.candidates:
-            built, exact = self._build(spec, sample, ids, query_ids, exact, actors)
+            built, exact = self._build(spec, sample, ids, query_ids, exact)
             tried.append(built.summary())
             log.info("index %s: recall@10 %.4f with %s", spec.factory, built.tuning.chosen.recall_at_10,
                      built.tuning.chosen.params)
@@ -107,11 +122,21 @@ class IndexBuild:
             report = self._write(best, tried, ids, query_ids, exact)
         report["build_seconds"] = round(time.perf_counter() - started, 3)
         report["stages"] = {k: round(v, 3) for k, v in self.timer.stages.items()}
+        self._write_meta(report)
         shutil.rmtree(self.work, ignore_errors=True)
-        if self.job.output.format == "faiss":  # the parts were only the index's staging area
-            for part in self.parts:
-                Path(part.path).unlink(missing_ok=True)
         return report
+
+    def _parts_fingerprint(self) -> list:
+        return [[p.unit_id, p.rows, os.path.getsize(p.path), os.stat(p.path).st_mtime_ns] for p in self.parts]
+
+    def _finished(self) -> dict | None:
+        """The report of an index built from exactly these parts by this same job, if there is one."""
+        meta_path = self.dir / "index.json"
+        if not (meta_path.is_file() and (self.dir / "index.faiss").is_file()):
+            return None
+        meta = json.loads(meta_path.read_text())
+        same = meta.get("parts") == self._parts_fingerprint() and meta.get("job") == self.job.to_dict()
+        return meta.get("report") if same else None
 
     # ------------------------------------------------------------------ passes over the parts
 
@@ -140,14 +165,14 @@ class IndexBuild:
         return sample.query_positions.astype(np.int64)  # dense: index id == position
 
     def _build(self, spec: IndexSpec, sample: Sample, ids: IdPlan, query_ids: np.ndarray,
-               exact: Neighbours | None, actors: list) -> tuple[Built, Neighbours]:
+               exact: Neighbours | None) -> tuple[Built, Neighbours]:
         started = time.perf_counter()
         plan = self.plan
         with self.timer.time("train"):
             index = train_index(spec, sample.train[: plan.train_rows(spec)], dim=plan.dim, metric=plan.metric)
         on_disk = spec.sharded and plan.on_disk(spec)
         if spec.sharded:
-            part_exact = self._add_on_workers(index, spec, sample, ids, on_disk, actors)
+            part_exact = self._add_on_workers(index, sample, ids, on_disk)
         else:
             with self.timer.time("add"):
                 part_exact = self._add_on_driver(index, sample, ids)
@@ -167,21 +192,18 @@ class IndexBuild:
             exact = exact.merge(exact_of(vectors, index_ids))
         return exact
 
-    def _add_on_workers(self, index, spec: IndexSpec, sample: Sample, ids: IdPlan, on_disk: bool,
-                        actors: list) -> Neighbours:
+    def _add_on_workers(self, index, sample: Sample, ids: IdPlan, on_disk: bool) -> Neighbours:
         import faiss
 
         shard_dir = self.work / "shards"
         context = ShardContext(build_id=uuid.uuid4().hex, trained=faiss.serialize_index(index), ids=ids,
                                queries=sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric,
                                shard_dir=str(shard_dir))
-        if actors:
-            import ray
-
-            results = _first_come_first_served(actors, ray.put(context), self.parts)
-        else:  # no workers (tests, notebooks): the same shard builder, in this process
-            state: dict = {}
-            results = (build_shard(state, context, part) for part in self.parts)
+        if self.use_ray:
+            results = _on_shard_workers(self.job, context, self.parts)
+        else:  # the same shard builder, in this process
+            builder = ShardBuilder(context)
+            results = (builder(part) for part in self.parts)
         exact = Neighbours.empty(len(sample.queries), self.k + 1 + TIE_SLACK)
         shards: dict[str, str] = {}
         with self.timer.time("add"):
@@ -238,21 +260,26 @@ class IndexBuild:
         for warning in warnings:
             log.warning(warning)
         report["warnings"] = warnings
+        return report
+
+    def _write_meta(self, report: dict) -> None:
+        """index.json, written last: what opening and searching the index needs, and what makes a
+        rerun over the same parts keep this index."""
         meta = {"format_version": FORMAT_VERSION, **{k: report[k] for k in (
                     "factory", "kind", "metric", "ntotal", "search_params", "ids", "on_disk",
                     "recall_at_10", "recall_at_1", "target_recall", "target_reached")},
-                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.to_dict()}
-        meta_tmp = self.work / "index.json"
-        meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(meta_tmp, self.dir / "index.json")
-        return report
+                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.to_dict(),
+                "parts": self._parts_fingerprint(), "report": report}
+        tmp = self.work / "index.json"
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, self.dir / "index.json")
 
     def _warning(self, best: Built) -> str | None:
         if best.tuning.reached:
             return None
         spec, m = best.spec, best.tuning.chosen
         if spec.exact:
-            fix = "exact search cannot do better; ties between duplicate vectors count as misses"
+            fix = "exact search: only ties wider than the extra neighbours kept can cost recall"
         elif self.plan.auto:
             fix = (f"no index that fits output.index_memory_gb={self.job.output.index_memory_gb:g} reaches it; "
                    f"{self.plan.upgrade or 'raise output.index_memory_gb'} (a larger code), "
@@ -275,25 +302,28 @@ def plan_index_build(job: JobSpec, units: list) -> IndexBuild | None:
     if job.output.format == "parquet":
         return None
     from embedpipe.index.plan import plan_index
-    from embedpipe.io.writer import ParquetPartWriter
 
     plan = plan_index(job, rows=sum(u.num_rows for u in units))
-    writer = ParquetPartWriter(output_path=job.output.path)
-    parts = [Part(u.id, str(writer.path_for(u.id)), u.num_rows) for u in units]
-    return IndexBuild(job, plan, parts=parts)
+    vectors = Path(job.output.path) / "vectors"  # where ParquetPartWriter puts each unit's part
+    return IndexBuild(job, plan, parts=[Part(u.id, str(vectors / f"part-{u.id}.parquet"), u.num_rows) for u in units])
 
 
-def _first_come_first_served(actors: list, context_ref, parts: list[Part]):
-    """Hand one part at a time to each worker; a worker that finishes takes the next."""
+def _on_shard_workers(job: JobSpec, context: ShardContext, parts: list[Part]):
+    """Shard results as workers finish them: one ShardWorker actor per worker slot (no model, the
+    trained index once through the object store), under the cluster Scheduler (dead workers retried)."""
     import ray
 
-    queue, inflight = deque(parts), {}
-    for actor in actors:
-        if queue:
-            inflight[actor.build_shard.remote(context_ref, queue.popleft())] = actor
-    while inflight:
-        [ready], _ = ray.wait(list(inflight), num_returns=1)
-        actor = inflight.pop(ready)
-        if queue:
-            inflight[actor.build_shard.remote(context_ref, queue.popleft())] = actor
-        yield ray.get(ready)
+    from embedpipe.cluster.connect import connect, plan_workers
+    from embedpipe.cluster.scheduler import Scheduler
+
+    started = connect(job.cluster)
+    try:
+        workers = plan_workers(job.cluster)
+        ref = ray.put(context)
+        actor_cls = ray.remote(ShardWorker).options(num_cpus=workers.cpus_per_worker, max_restarts=0)
+        scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(ref), workers=min(workers.workers, len(parts)),
+                              max_attempts=job.cluster.max_attempts, on_error="fail")  # a lost shard = a wrong index
+        yield from scheduler.run(parts)
+    finally:
+        if started:
+            ray.shutdown()

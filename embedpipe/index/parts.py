@@ -16,9 +16,33 @@ import pyarrow.parquet as pq
 
 @dataclass(frozen=True)
 class Part:
+    """One unit's vector part; ``id``/``label``/``file``/``row_groups`` let the cluster Scheduler run it."""
+
     unit_id: str
     path: str
     rows: int
+
+    @property
+    def id(self) -> str:
+        return self.unit_id
+
+    @property
+    def file(self) -> str:
+        return self.path
+
+    @property
+    def row_groups(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def label(self) -> str:
+        return f"index shard of unit {self.unit_id} ({self.path})"
+
+
+def existing_parts(planned: list[Part]) -> list[Part]:
+    """The planned parts that exist, with the rows they hold (rows skipped by on_bad_row are not there)."""
+    return [Part(p.unit_id, p.path, pq.ParquetFile(p.path).metadata.num_rows)
+            for p in planned if Path(p.path).is_file()]
 
 
 def read_vectors(path: str | Path) -> tuple[pa.Array, np.ndarray]:

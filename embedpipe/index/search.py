@@ -40,7 +40,10 @@ class OpenedIndex:
     def __init__(self, output_path: str | Path):
         import faiss
 
+        from embedpipe.versions import current_path
+
         root = Path(output_path)
+        root = current_path(root) or root  # versioned outputs: the version CURRENT points at
         self.dir = root if (root / "index.json").is_file() else root / "index"
         if not (self.dir / "index.json").is_file():
             raise IndexNotFound(f"no index at {self.dir}: run a job with output.format: faiss (or both) "

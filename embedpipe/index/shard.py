@@ -76,9 +76,12 @@ class ShardBuilder:
                            time.perf_counter() - start)
 
 
-def build_shard(state: dict, context: ShardContext, part: Part) -> ShardResult:
-    """The worker's entry point: one ShardBuilder per build, kept in ``state`` between units."""
-    builder = state.get("shards")
-    if builder is None or builder.context.build_id != context.build_id:
-        builder = state["shards"] = ShardBuilder(context)
-    return builder(part)
+class ShardWorker:
+    """The Ray actor of a sharded build (no model: only the trained index); the build wraps it with
+    ``ray.remote`` and runs it under the cluster Scheduler, so a dead worker's unit is retried."""
+
+    def __init__(self, context: ShardContext):
+        self.builder = ShardBuilder(context)
+
+    def process(self, part: Part) -> ShardResult:
+        return self.builder(part)
