@@ -109,7 +109,8 @@ def test_auto_ladder_order():
     (1_000_000, 1.6, "IVF4096,Flat"),
     (1_000_000, 0.8, "IVF4096,SQfp16"),
     (1_000_000, 0.5, "IVF4096,SQ8"),
-    (1_000_000, 0.25, "OPQ192_384,IVF4096,PQ192"),
+    (1_000_000, 0.25, "IVF4096,SQ4"),
+    (1_000_000, 0.15, "OPQ96_384,IVF4096,PQ96"),
     (1_000_000, 0.09, "OPQ64_384,IVF4096,PQ64"),
 ])
 def test_auto_picks_the_best_that_fits(tmp_path, rows, budget_gb, first):

@@ -6,12 +6,12 @@ with the field to fix. ``auto`` rules (docs/index.md):
 1. exact ``Flat`` while the corpus has at most ``EXACT_MAX_ROWS`` rows and fits the budget;
 2. ``HNSW32`` while it fits the budget;
 3. ``IVF{nlist},Flat`` while it fits (nlist about 4*sqrt(rows), a power of two, >= 39 rows per list);
-4. compressed IVF: ``SQfp16``, then ``SQ8``, then ``OPQ{M}_{d},IVF{nlist},PQ{M}`` with the largest M
-   that fits, each time the largest code that fits the budget; a refine stage (``Refine(SQ8)``,
-   ``RFlat``) is added to a PQ code when it fits beside it.
+4. compressed IVF, the largest code that fits: ``SQfp16``, ``SQ8``, ``SQ6``, ``SQ4``, then
+   ``OPQ{M}_{d},IVF{nlist},PQ{M}`` with the largest M that fits.
 
-Every rung that fits is a candidate, best first; the build measures each and keeps the first that
-reaches ``output.target_recall`` (docs/index.md says why the order is what it is).
+The build measures the chosen index and tunes its search to ``output.target_recall``; when it
+misses, uncompressed indexes of another kind that also fit are tried (docs/index.md says why
+smaller codes are not, and why no refine stage is added inside a budget).
 """
 
 from __future__ import annotations
@@ -157,15 +157,16 @@ def auto_ladder(rows: int, dim: int) -> list[IndexSpec]:
     bits = 8 if rows >= 39 * 256 else 4  # 8-bit PQ needs ~10k training rows
     pq = "" if bits == 8 else f"x{bits}"
     ladder = (["Flat"] if rows <= EXACT_MAX_ROWS else []) + [f"HNSW{HNSW_M}", f"{ivf},Flat", f"{ivf},SQfp16"]
-    ladder.append(f"{ivf},SQ8")
+    ladder += [f"{ivf},SQ8", f"{ivf},SQ6", f"{ivf},SQ4"]
     for m in _pq_sizes(dim):
         ladder.append(f"OPQ{m}_{dim},{ivf},PQ{m}{pq}")
     return [parse_factory(s) for s in ladder]
 
 
 def _pq_sizes(dim: int) -> list[int]:
-    """PQ sub-quantizer counts dividing ``dim``, largest code first (2 to 32 dimensions per sub-vector)."""
-    return [m for m in range(dim // 2, 0, -1) if dim % m == 0 and 2 <= dim // m <= 32 and m <= 256]
+    """PQ sub-quantizer counts dividing ``dim``, largest code first: 4 to 32 dimensions per sub-vector
+    (narrower sub-vectors cost more bytes than SQ4 and train slowly)."""
+    return [m for m in range(dim // 4, 0, -1) if dim % m == 0 and 4 <= dim // m <= 32 and m <= 256]
 
 
 def _round_up(gb: float) -> str:
