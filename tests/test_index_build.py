@@ -227,3 +227,13 @@ def test_exact_index_scores_one_with_duplicate_vectors(tmp_path, vectors):
     index_build, _ = build(tmp_path, dup, index="Flat")
     report = index_build(use_ray=False)
     assert report["recall_at_10"] == report["recall_at_1"] == 1.0
+
+
+@pytest.mark.parametrize("factory", ["IVF16,PQ8x4fs", "HNSW16_SQ8", "OPQ8_32,IVF16,PQ8x4", "IVF16_HNSW8,Flat",
+                                     "PCA16,IVF16,Flat", "SQ8", "IVF16,PQ8x4,Refine(SQ8)"])
+def test_every_supported_kind_builds_and_finds_its_rows(tmp_path, vectors, factory):
+    index_build, out = build(tmp_path, vectors, index=factory, target_recall=0.5)
+    report = index_build(use_ray=False)
+    assert report["ntotal"] == ROWS and report["factory"] == factory
+    hits = open_index(out).search_vectors(vectors[[5, 2222]], k=5)
+    assert "doc-5" in [i for i, _ in hits[0]] and "doc-2222" in [i for i, _ in hits[1]]
