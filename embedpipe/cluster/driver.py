@@ -121,11 +121,13 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
+            index_report = index_build() if index_build else None  # while Ray is up: sample, train, add, merge, recall
         finally:
             if started_ray:
                 ray.shutdown()
+    else:
+        index_report = index_build() if index_build else None  # nothing left to embed: the index step alone
 
-    index_report = index_build() if index_build else None  # after every unit: sample, train, add, merge, recall
     total = Counters()
     for record in manifest.done().values():
         if record["unit_id"] in unit_ids:
