@@ -15,6 +15,7 @@ _LAZY = {
     "run_job": ("embedpipe.cluster.driver", "run_job"),
     "Encoder": ("embedpipe.runtime", "Encoder"),
     "EncoderSettings": ("embedpipe.runtime", "EncoderSettings"),
+    "open_index": ("embedpipe.index.search", "open_index"),
 }
 
 __all__ = sorted(_LAZY)

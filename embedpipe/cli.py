@@ -46,6 +46,7 @@ def run(job_file: JobFile, set_: SetOpt = None,
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
     from embedpipe.cluster.scheduler import UnitFailed
+    from embedpipe.config import JobError
     from embedpipe.io.lock import OutputBusy
     from embedpipe.io.manifest import ManifestMismatch
     from embedpipe.preflight import ModelError
@@ -55,7 +56,7 @@ def run(job_file: JobFile, set_: SetOpt = None,
 
     try:
         result = run_job(job, progress=progress, overwrite=overwrite)
-    except (ModelError, ManifestMismatch) as exc:
+    except (ModelError, ManifestMismatch, JobError) as exc:  # JobError: settings the data refutes (output.index)
         raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
         raise _fail(exc, EXIT_BAD_INPUT) from None
@@ -87,6 +88,32 @@ def validate(job_file: JobFile, set_: SetOpt = None) -> None:
         raise _fail(exc, EXIT_BAD_INPUT) from None
     rows = sum(u.num_rows for u in plan.units)
     typer.echo(f"ok: {job.name}: {len(plan.units)} units, {rows:,} rows; model {plan.model_dir}")
+    if job.output.format != "parquet":
+        from embedpipe.config import JobError
+        from embedpipe.index.plan import describe_plan, plan_index
+
+        try:
+            typer.echo(describe_plan(plan_index(job, rows=rows)))
+        except JobError as exc:
+            raise _fail(exc, EXIT_BAD_JOB) from None
+
+
+@app.command()
+def search(output_dir: Annotated[Path, typer.Argument(help="A job's output.path (holding index/).", show_default=False)],
+           query: Annotated[str, typer.Argument(help="The query text.", show_default=False)],
+           k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10) -> None:
+    """Search a built index with a text query: ids, scores and the source text when still readable."""
+    from embedpipe.index.search import IndexNotFound, open_index
+
+    try:
+        index = open_index(output_dir)
+    except IndexNotFound as exc:
+        raise _fail(exc, EXIT_BAD_JOB) from None
+    [hits] = index.search([query], k=k)
+    texts = index.source_texts([i for i, _ in hits])
+    for rank, (id_, score) in enumerate(hits, 1):
+        text = " ".join(str(texts.get(id_, "")).split())
+        typer.echo(f"{rank:>3}  {score:8.4f}  {id_}  {text[:120]}")
 
 
 @app.command()

@@ -115,7 +115,16 @@ class BatchingConfig:
 class OutputConfig:
     path: str = opt(doc="Output directory (a local or mounted path): vectors land in `<path>/vectors/`, the report in "
                         "`<path>/report.json`.", path=True)
-    format: Literal["parquet"] = opt("parquet", "What to write: parquet (one part file per work unit).")
+    format: Literal["parquet", "faiss", "both"] = opt(
+        "parquet", "What to write: parquet (one part file per work unit), faiss (also a FAISS index in "
+                   "`<path>/index/`, built from the parts, which stay: resume and versions rest on them) or both.")
+    index: str = opt("auto", "FAISS index_factory string (`Flat`, `HNSW32`, `IVF4096,PQ32`, `OPQ16_64,IVF65536,PQ16`, "
+                             "`IVF4096,PQ32,RFlat`, ...) or auto: chosen by corpus size, dimension and "
+                             "output.index_memory_gb (rules in docs/index.md).")
+    index_memory_gb: float = opt(8.0, "Memory the built index may take (GB): auto picks the best index that fits; "
+                                      "an IVF index larger than this keeps its inverted lists on disk.")
+    target_recall: float = opt(0.95, "10-recall@10 the index must reach on ~1,000 hold-out queries; nprobe / "
+                                     "efSearch are tuned to the smallest value reaching it.")
     versioned: bool = opt(False, "Write each run to `<path>/versions/<run id>/` and, once it finished and validated, "
                                  "point `<path>/CURRENT` at it (an atomic rename); a failed run never moves CURRENT.")
     keep_versions: int | None = opt(None, "Versioned outputs: keep this many newest finished versions (never "
@@ -127,6 +136,17 @@ class OutputConfig:
         if "://" in self.path:  # the manifest, lock and versions use local file operations (rename, O_EXCL)
             raise JobError("output.path", f"{self.path!r} is a URL; outputs need a local or mounted filesystem",
                            "write to a local path (or a mounted bucket) and copy the folder afterwards")
+        _positive(self, "output", "index_memory_gb")
+        if not 0 < self.target_recall <= 1:
+            raise JobError("output.target_recall", f"{self.target_recall!r} is not in (0, 1]",
+                           "set output.target_recall to a fraction such as 0.95")
+        if self.index != "auto":
+            from embedpipe.index.factory import FactoryError, parse_factory
+
+            try:
+                parse_factory(self.index)
+            except FactoryError as exc:
+                raise JobError("output.index", str(exc), "write a valid factory string or output.index: auto") from None
         if self.keep_versions is not None:
             _positive(self, "output", "keep_versions")
         if (self.incremental or self.keep_versions is not None) and not self.versioned:

@@ -23,6 +23,7 @@ from embedpipe.cluster.scheduler import Scheduler
 from embedpipe import versions
 from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
+from embedpipe.index.build import plan_index_build
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.writer import write_table_atomic
@@ -80,6 +81,7 @@ def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool)
 def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
               previous_rows: int = 0) -> RunResult:
     started, started_at = time.perf_counter(), time.time()
+    index_build = plan_index_build(job, plan.units)  # None for parquet; a bad index setting fails here
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
@@ -119,9 +121,12 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
+            index_report = index_build() if index_build else None  # while Ray is up: sample, train, add, merge, recall
         finally:
             if started_ray:
                 ray.shutdown()
+    else:
+        index_report = index_build() if index_build else None  # nothing left to embed: the index step alone
 
     total = Counters()
     for record in manifest.done().values():
@@ -137,6 +142,8 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         peak_rss_mb={"driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "workers": [peaks.get(i) for i in range(len(per_worker))]},
     )
+    if index_report is not None:
+        report["index"] = index_report
     if incremental is not None:
         report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}

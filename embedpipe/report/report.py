@@ -54,4 +54,16 @@ def render_summary(report: dict) -> str:
         f"truncated rows: {report['truncated_rows']:,}; skipped rows: {report['skipped_rows']:,}; "
         f"worker-seconds by stage: {stages}",
     ]
+    if "index" in report:
+        lines.append(render_index(report["index"]))
+    return "\n".join(lines)
+
+
+def render_index(index: dict) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in index["search_params"].items()) or "exhaustive"
+    lines = [f"index: {index['factory']}{' (auto)' if index.get('auto') else ''}, {index['ntotal']:,} vectors, "
+             f"{index['bytes'] / 1e6:,.1f} MB in {index['build_seconds']:.1f}s; recall@10 {index['recall_at_10']:.3f}, "
+             f"recall@1 {index['recall_at_1']:.3f} ({params}); target {index['target_recall']} "
+             f"{'reached' if index['target_reached'] else 'NOT reached'} -> {index['path']}"]
+    lines += [f"warning: {w}" for w in index.get("warnings", [])]
     return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Open a built index and search it with text: ``open_index(output_path).search(texts, k=10)``.
+
+Queries are encoded with the job's own model settings (read back from ``index.json``), with the
+model's query prompt when it has one; results are the input's own ids, best first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from embedpipe.index.ids import IdLookup
+
+
+class IndexNotFound(FileNotFoundError):
+    pass
+
+
+def _job_from_dict(raw: dict):
+    """The job the index was built with, rebuilt without validation (its input may be gone)."""
+    from embedpipe.config import SECTIONS, JobSpec
+
+    sections = {}
+    for name, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in (raw.get(name) or {}).items() if k in names}
+        try:
+            sections[name] = cls(**values)
+        except TypeError:  # a section whose required fields this version does not find
+            sections[name] = None
+    return JobSpec(**{k: v for k, v in sections.items() if v is not None})
+
+
+class OpenedIndex:
+    """A built index: FAISS index, id map and the encoder settings, opened once, searched many times."""
+
+    def __init__(self, output_path: str | Path):
+        import faiss
+
+        from embedpipe.versions import current_path
+
+        root = Path(output_path)
+        root = current_path(root) or root  # versioned outputs: the version CURRENT points at
+        self.dir = root if (root / "index.json").is_file() else root / "index"
+        if not (self.dir / "index.json").is_file():
+            raise IndexNotFound(f"no index at {self.dir}: run a job with output.format: faiss (or both) "
+                                f"and pass its output.path")
+        self.meta = json.loads((self.dir / "index.json").read_text())
+        self.index = faiss.read_index(str(self.dir / "index.faiss"), faiss.IO_FLAG_ONDISK_SAME_DIR)
+        space = faiss.ParameterSpace()
+        for name, value in self.meta["search_params"].items():
+            space.set_index_parameter(self.index, name, value)
+        self.ids = IdLookup(self.dir / "ids.parquet", native=self.meta["ids"] == "native")
+        self.job = _job_from_dict(self.meta["job"])
+        self.query_prompt: str = self.meta.get("query_prompt", "")
+        self._encoder = None
+
+    @property
+    def encoder(self):
+        if self._encoder is None:
+            from embedpipe.runtime import Encoder, EncoderSettings
+
+            settings = dataclasses.replace(EncoderSettings.from_job(self.job), device="auto", attention="auto")
+            self._encoder = Encoder(settings)
+        return self._encoder
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return self.encoder.embed([self.query_prompt + t for t in texts])
+
+    def search(self, texts: str | list[str], k: int = 10) -> list[list[tuple[object, float]]]:
+        """For each query text, (input id, score) pairs, best first (inner product: higher is closer;
+        L2: the squared distance, lower is closer)."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        return self.search_vectors(self.embed(texts), k=k)
+
+    def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[tuple[object, float]]]:
+        scores, index_ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
+        out = []
+        for row_scores, row_ids in zip(scores, index_ids):
+            keep = row_ids >= 0
+            ids = self.ids(row_ids[keep])
+            out.append([(i, float(s)) for i, s in zip(ids, row_scores[keep])])
+        return out
+
+    def source_texts(self, ids: list) -> dict:
+        """id -> text for the given input ids, when the job's input is still readable; else {}."""
+        import pyarrow.parquet as pq
+
+        from embedpipe.units import InputError, list_files
+
+        inp = self.job.input
+        try:
+            files = list_files(inp.path)
+        except InputError:
+            return {}
+        found: dict = {}
+        for file in files:
+            try:
+                table = pq.read_table(file, columns=[inp.id_column, inp.text_column],
+                                      filters=[(inp.id_column, "in", list(ids))])
+            except Exception:  # moved, rewritten or unreadable input: texts are a convenience
+                continue
+            found.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+        return found
+
+
+def open_index(output_path: str | Path) -> OpenedIndex:
+    """Open the index under ``<output_path>/index`` (or an index directory itself)."""
+    return OpenedIndex(output_path)
