@@ -20,8 +20,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from embedpipe.io import fs
-from embedpipe.io.reader import is_text_type, screen_unit
-from embedpipe.io.rows import ScreenedRows
+from embedpipe.io.reader import ScreeningReader, is_text_type
 from embedpipe.units import InputError, Unit
 
 
@@ -65,15 +64,8 @@ def plan_arrow_units(files: list[str], *, text_column: str, id_column: str, unit
     return units
 
 
-class ArrowShardReader:
-    """Built once per worker; reads one unit's rows (two columns) from its arrow shard."""
-
-    def __init__(self, *, text_column: str, id_column: str, on_bad_row: str = "error"):
-        self.text_column, self.id_column, self.on_bad_row = text_column, id_column, on_bad_row
-
-    def __call__(self, unit: Unit) -> ScreenedRows:
-        return screen_unit(self.columns(unit, [self.id_column, self.text_column]), unit, text_column=self.text_column,
-                           id_column=self.id_column, on_bad_row=self.on_bad_row)
+class ArrowShardReader(ScreeningReader):
+    """A saved Hugging Face dataset: one unit's rows from its memory-mapped arrow shard."""
 
     def columns(self, unit: Unit, names: list[str]) -> pa.Table:
         """The unit's rows, these columns only, unscreened."""

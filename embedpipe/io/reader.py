@@ -35,8 +35,10 @@ def is_text_type(tp: pa.DataType) -> bool:
     return any(check(tp) for check in TEXT_TYPES)
 
 
-class ParquetReader:
-    """Built once per worker; called per unit: the unit's rows, screened by the bad-row policy."""
+class ScreeningReader:
+    """Built once per worker; called per unit: the unit's rows, screened by the bad-row policy.
+
+    Each input format says only how to read a unit's columns (``columns``)."""
 
     def __init__(self, *, text_column: str, id_column: str, on_bad_row: str = "error"):
         self.text_column, self.id_column, self.on_bad_row = text_column, id_column, on_bad_row
@@ -44,6 +46,13 @@ class ParquetReader:
     def __call__(self, unit: Unit) -> ScreenedRows:
         return screen_unit(self.columns(unit, [self.id_column, self.text_column]), unit, text_column=self.text_column,
                            id_column=self.id_column, on_bad_row=self.on_bad_row)
+
+    def columns(self, unit: Unit, names: list[str]) -> pa.Table:
+        raise NotImplementedError
+
+
+class ParquetReader(ScreeningReader):
+    """Parquet: the unit's row groups."""
 
     def columns(self, unit: Unit, names: list[str]) -> pa.Table:
         """The unit's rows, these columns only, unscreened (preflight reads the ids this way)."""

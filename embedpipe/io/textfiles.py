@@ -23,8 +23,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 
 from embedpipe.io import fs
-from embedpipe.io.reader import screen_unit
-from embedpipe.io.rows import ScreenedRows
+from embedpipe.io.reader import ScreeningReader
 from embedpipe.units import InputError, Unit
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".snappy")
@@ -97,15 +96,12 @@ def _unit(file: str, file_index: int, fmt: str, row: int, count: int, start: int
                 byte_start=start, byte_end=end)
 
 
-class TextFileReader:
-    """Built once per worker; reads one JSONL or CSV unit (its byte range, plus a CSV's header)."""
+class TextFileReader(ScreeningReader):
+    """JSONL or CSV: one unit's byte range (plus a CSV's header)."""
 
     def __init__(self, *, fmt: str, text_column: str, id_column: str, on_bad_row: str = "error"):
-        self.fmt, self.text_column, self.id_column, self.on_bad_row = fmt, text_column, id_column, on_bad_row
-
-    def __call__(self, unit: Unit) -> ScreenedRows:
-        return screen_unit(self.columns(unit, [self.id_column, self.text_column]), unit, text_column=self.text_column,
-                           id_column=self.id_column, on_bad_row=self.on_bad_row)
+        super().__init__(text_column=text_column, id_column=id_column, on_bad_row=on_bad_row)
+        self.fmt = fmt
 
     def columns(self, unit: Unit, names: list[str]) -> pa.Table:
         """The unit's rows, these columns only, unscreened."""
