@@ -49,6 +49,7 @@ def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["hub", "
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Pooling = Literal["auto", "mean", "cls", "last"]
+OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,16 @@ class ModelConfig:
     normalize: bool | Literal["auto"] = opt("auto", "L2-normalise vectors; auto: what the model's sentence-transformers config says.")
     allow_pickle: bool = opt(False, "Also read pickled weights (`pytorch_model.bin`, with torch.load(weights_only=True)) "
                                     "when the model has no safetensors. Code in a model directory is never run.")
+    prompt: str | None = opt(None, "A literal prefix put before every text (counted in max_seq_len, as sentence-transformers does); "
+                                   "null: model.prompt_name, else the model's default_prompt_name; \"\": no prompt at all.")
+    prompt_name: str | None = opt(None, "One of the model's named prompts (config_sentence_transformers.json `prompts`).")
 
     def validate(self) -> None:
         if self.max_seq_len is not None:
             _positive(self, "model", "max_seq_len")
+        if self.prompt is not None and self.prompt_name is not None:
+            raise JobError("model.prompt_name", f"{self.prompt_name!r} is set together with model.prompt",
+                           "set only one of model.prompt (a literal prefix) and model.prompt_name")
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,28 @@ class OutputConfig:
                                           "the current one); null keeps all.")
     incremental: bool = opt(False, "Versioned outputs: reuse the current version's vectors for rows whose id, "
                                    "text and vector settings are unchanged; encode only new and changed rows.")
+    dim: int | None = opt(None, "Keep the first `dim` dimensions (Matryoshka), renormalised when vectors are normalised; "
+                                "null: the model's dimension.")
+    dtype: OutputDtype = opt("float32", "Stored vector type, as sentence-transformers' quantize_embeddings defines it: "
+                                        "int8/uint8 bucket each dimension by min/max ranges calibrated on a sample of the run; "
+                                        "binary/ubinary pack the bits `x > 0` (dim/8 bytes; binary subtracts 128).")
+    calibration_rows: int = opt(10_000, "int8/uint8: rows sampled uniformly (seeded) over the whole input to calibrate the ranges.")
+    calibration_seed: int = opt(0, "Seed of the calibration sample.")
 
     def validate(self) -> None:
         if "://" in self.path:  # the manifest, lock and versions use local file operations (rename, O_EXCL)
             raise JobError("output.path", f"{self.path!r} is a URL; outputs need a local or mounted filesystem",
                            "write to a local path (or a mounted bucket) and copy the folder afterwards")
         _positive(self, "output", "index_memory_gb")
+        if self.dim is not None:
+            _positive(self, "output", "dim")
+        _positive(self, "output", "calibration_rows")
+        if self.format != "parquet" and self.dtype not in ("float32", "float16"):
+            raise JobError("output.dtype", f"{self.dtype} vectors cannot feed the FAISS index (output.format: "
+                           f"{self.format}); FAISS compresses vectors itself",
+                           "keep output.dtype float32 and choose a compressed index (output.index: 'HNSW32,SQ8' "
+                           "or 'IVF4096,SQ8' for 8-bit codes, 'IVF4096,PQ32' for fewer bytes), or set "
+                           "output.format: parquet")
         if not 0 < self.target_recall <= 1:
             raise JobError("output.target_recall", f"{self.target_recall!r} is not in (0, 1]",
                            "set output.target_recall to a fraction such as 0.95")
@@ -176,8 +199,9 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when the worker has a GPU, else cpu.")
-    attention: Literal["auto", "sdpa", "reference", "varlen", "flash"] = opt(
-        "auto", "Attention backend; auto: flash-attn or torch varlen on GPU in float16/bfloat16, else SDPA.")
+    attention: Literal["auto", "sdpa", "matmul", "reference", "varlen", "flash"] = opt(
+        "auto", "Attention backend; auto: flash-attn or torch varlen on GPU in float16/bfloat16, else SDPA; "
+                "on CPU matmul (length groups, float32 scores).")
     cuda_graphs: bool = opt(True, "GPU: pad batches to batching.buckets and replay one CUDA graph per bucket "
                                   "(captured on first use); false: run eagerly on exact shapes.")
     max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")
@@ -316,6 +340,7 @@ def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") ->
     sections = {s: _parse_section(s, cls, raw.get(s), source) for s, cls in SECTIONS.items()}
     job = JobSpec(name=str(raw.get("name", name)), **sections)
     _check_files(job, source)
+    _check_model_options(job, source)
     return job
 
 
@@ -425,6 +450,30 @@ def _check_files(job: JobSpec, source: str) -> None:
     raise JobError("input.path", f"{p!r} does not exist",
                    "point input.path at a file, a directory of them or a glob (for a dataset in the local "
                    "Hugging Face cache by name, set input.format: huggingface)", source=source)
+
+
+def _check_model_options(job: JobSpec, source: str) -> None:
+    """model.prompt_name and output.dim against the model directory (read only when they are set)."""
+    m, o = job.model, job.output
+    if m.prompt_name is None and o.dim is None:
+        return
+    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
+    from embedpipe.models.st import model_dim, read_st_spec, resolve_prompt
+
+    try:
+        root = resolve_model_path(m.path)
+    except ModelNotFound:
+        return  # `validate` and the run report the missing model itself
+    spec = read_st_spec(root)
+    try:
+        resolve_prompt(spec, prompt=m.prompt, prompt_name=m.prompt_name)
+    except ValueError as exc:
+        raise JobError("model.prompt_name", str(exc), "set model.prompt_name to one of them, "
+                       "or a literal prefix in model.prompt", source=source) from None
+    dim = model_dim(root, spec)
+    if o.dim is not None and o.dim > dim:
+        raise JobError("output.dim", f"{o.dim} exceeds the model's dimension {dim}",
+                       f"set output.dim to at most {dim}, or null for all of them", source=source)
 
 
 def _positive(obj: Any, section: str, name: str) -> None:

@@ -1,6 +1,7 @@
 """The Python API: embed() in process gives the CLI's vectors; Job runs and submits jobs."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -68,9 +69,47 @@ def test_embed_options_are_the_job_schema_fields(minilm_dir):
     assert {k for k, (s, _) in names.items() if s == "model"} == model_fields  # every model.* field
     assert names["dtype"] == ("model", "dtype") and names["device"] == ("runtime", "device")
     output_fields = {f.name for f in dataclasses.fields(SECTIONS["output"])}
-    assert {f for s, f in names.values() if s == "output"} == {"dim", "dtype"} & output_fields
+    assert {f for s, f in names.values() if s == "output"} == {"dim", "dtype", "calibration_rows",
+                                                                "calibration_seed"} & output_fields
     job = job_for_options(MODEL, {"max_seq_len": 64, "dtype": "bfloat16", "max_tokens": 1024, "device": "cpu"})
     assert (job.model.max_seq_len, job.model.dtype, job.batching.max_tokens, job.runtime.device) == (64, "bfloat16", 1024, "cpu")
+
+
+def test_embed_prompt_dim_and_quantized_outputs(minilm_dir, tmp_path):
+    """prompt, dim and output_dtype as the job applies them; int8 ranges fitted on the inputs or
+    taken from a job's quantization.json (queries quantized as that job's vectors were)."""
+    from embedpipe.io.quantize import Calibration, fit_calibration, quantize
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    texts = [f"text number {i} about {w}" for i, w in enumerate(["disks", "memory", "scheduling", "ext4"] * 5)]
+    floats = Encoder(EncoderSettings(model_path=str(minilm_dir), prompt="query: ", output_dim=128)).embed(texts)
+    got = embedpipe.embed(texts, model=str(minilm_dir), prompt="query: ", dim=128)
+    np.testing.assert_allclose(got, floats, rtol=0, atol=1e-6)
+    assert np.abs(got - embedpipe.embed(texts, model=str(minilm_dir), dim=128)).max() > 1e-2  # the prompt counts
+
+    half = embedpipe.embed(texts, model=str(minilm_dir), prompt="query: ", dim=128, output_dtype="float16")
+    assert half.dtype == np.float16 and np.abs(half.astype(np.float32) - floats).max() < 1e-3
+    bits = embedpipe.embed(texts, model=str(minilm_dir), prompt="query: ", dim=128, output_dtype="ubinary")
+    np.testing.assert_array_equal(bits, np.packbits(floats > 0, axis=-1))
+
+    own = embedpipe.embed(texts, model=str(minilm_dir), prompt="query: ", dim=128, output_dtype="int8",
+                          calibration_rows=10, calibration_seed=3)
+    pick = np.sort(np.random.default_rng(3).choice(len(texts), size=10, replace=False))
+    mine = fit_calibration(floats[pick], precision="int8", seed=3, input_rows=len(texts))
+    np.testing.assert_array_equal(own, quantize(floats, dtype="int8", calibration=mine))
+
+    job_calibration = fit_calibration(floats[::2] * 0.5, precision="int8", seed=0, input_rows=100)
+    (tmp_path / "quantization.json").write_text(json.dumps({"dtype": "int8", "dim": 128, "width": 128,
+                                                            "calibration": json.loads(job_calibration.to_json())}))
+    for given in (job_calibration, tmp_path, tmp_path / "quantization.json"):
+        queries = embedpipe.embed(texts[:4], model=str(minilm_dir), prompt="query: ", dim=128, output_dtype="int8",
+                                  calibration=given)
+        np.testing.assert_array_equal(queries, quantize(floats[:4], dtype="int8", calibration=job_calibration))
+    with pytest.raises(ValueError, match="pass output_dtype='int8'"):
+        embedpipe.embed(texts[:1], model=str(minilm_dir), dim=128, output_dtype="uint8", calibration=job_calibration)
+    with pytest.raises(FileNotFoundError, match="no quantization.json"):
+        embedpipe.embed(texts[:1], model=str(minilm_dir), output_dtype="int8", calibration=tmp_path / "nowhere")
+    assert isinstance(job_calibration, Calibration)
 
 
 @pytest.mark.parametrize("options, option, words", [

@@ -64,7 +64,7 @@ def test_backends_match_reference(device, lengths, case):
     H, Hkv, causal, window, scale = CASES[case]
     kw = dict(causal=causal, window=window, scale=scale)
     for backend in available_backends(device=device):
-        dtypes = [torch.float32] if device == "cpu" and backend != "sdpa" else [torch.float32, torch.bfloat16]
+        dtypes = [torch.float32] if device == "cpu" and backend == "reference" else [torch.float32, torch.bfloat16]
         if backend in ("varlen", "flash"):
             dtypes = [torch.bfloat16]  # flash kernels are half precision only
         for dtype in dtypes:
@@ -77,11 +77,11 @@ def test_backends_match_reference(device, lengths, case):
 
 
 def test_backend_registry_and_cpu_selection():
-    assert set(BACKENDS) == {"reference", "sdpa", "varlen", "flash"}
-    assert select_backend(device="cpu") == "sdpa"
+    assert set(BACKENDS) == {"reference", "sdpa", "matmul", "varlen", "flash"}
+    assert select_backend(device="cpu") == "matmul"
     assert select_backend(device="cpu", requested="reference") == "reference"
     for gpu_only in ("flash", "varlen"):
-        with pytest.raises(ValueError, match=r"not available on device 'cpu'.*'reference', 'sdpa'"):
+        with pytest.raises(ValueError, match=r"not available on device 'cpu'.*'reference', 'sdpa', 'matmul'"):
             select_backend(device="cpu", requested=gpu_only)
     with pytest.raises(ValueError, match=r"embedpipe\[gpu\]"):
         select_backend(device="cpu", requested="flash")

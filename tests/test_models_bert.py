@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -152,13 +153,27 @@ def test_minilm_matches_sentence_transformers(minilm):
     torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5, rtol=0)
 
 
-def test_batch_invariance(minilm):
-    _, tok, lm, head = minilm
+@pytest.mark.parametrize("backend", ["sdpa", "matmul"])  # the CPU backends
+def test_batch_invariance(minilm, backend):
+    path, tok, lm, head = minilm
+    if backend != "sdpa":
+        lm = load_model(path, attention_backend=backend)
     others = [f"Filler sentence {i} " + "with more words " * (i % 7) for i in range(30)]
     target = TEXTS[7]
     alone = _embed(lm, head, tok, [target])[0]
     packed = _embed(lm, head, tok, others[:15] + [target] + others[15:])[15]
     assert (alone - packed).abs().max().item() <= 1e-6
+
+
+def test_encoder_default_cpu_path_is_batch_invariant(minilm_dir):
+    """The CPU default as workers run it (matmul attention, oneDNN linears, the packer's batches)."""
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    enc = Encoder(EncoderSettings(model_path=str(minilm_dir), threads=2))
+    others = [f"Filler sentence {i} " + "with more words " * (i % 7) for i in range(300)]
+    alone = enc.embed([TEXTS[7]])
+    packed = enc.embed(others[:150] + [TEXTS[7]] + others[150:])[150:151]
+    assert np.abs(alone - packed).max() <= 1e-6
 
 
 # ---- loader errors ----

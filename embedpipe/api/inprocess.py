@@ -9,6 +9,8 @@ all of them come back as one array. Larger corpora: write them to files and run 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
 from typing import Any, Iterator, Sequence
 
@@ -16,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from embedpipe.api.options import job_for_options
+from embedpipe.io.quantize import Calibration
 from embedpipe.io.rows import screen_rows
 from embedpipe.units import InputError
 
@@ -23,7 +26,8 @@ CHUNK_ROWS = 10_000  # rows tokenized and packed together: the default input.uni
 
 
 def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "text",
-          add_column: str | None = None, progress: bool = False, **options: Any) -> Any:
+          add_column: str | None = None, progress: bool = False,
+          calibration: Calibration | str | os.PathLike | None = None, **options: Any) -> Any:
     """Embed ``inputs`` with ``model``, in this process.
 
     inputs: a string (returns one vector ``[D]``), a sequence of strings, or a table with a
@@ -32,12 +36,18 @@ def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "
     add_column: for a table, return the table with the vectors added as this column (Arrow and
         datasets: fixed-size lists of float32; pandas: one numpy array per row) instead of the array.
     options: the job file's ``model.*`` fields (``max_seq_len=128``, ``dtype="bfloat16"``,
-        ``pooling``, ``normalize``, ...), ``output.dim`` and ``output.dtype`` (as ``dim`` and
-        ``output_dtype``) where the schema has them, ``on_bad_row`` (``error``, the default, or
+        ``pooling``, ``normalize``, ``prompt``, ``prompt_name``, ...), ``output.dim`` and ``output.dtype``
+        (as ``dim`` and ``output_dtype``: float32, float16, int8, uint8, binary, ubinary), ``on_bad_row`` (``error``, the default, or
         ``embed_empty``: a null or empty text is embedded as ``""``), ``batching.*`` and ``runtime.*``
         (``device="cuda"``), checked by the same schema as a job file: errors name the option.
 
-    Returns ``np.ndarray [N, D]`` (float32), one row per input row, in input order.
+    calibration: int8/uint8 ranges: a ``Calibration``, or a job's output folder (or its
+        ``quantization.json``), so that queries quantize exactly as that job's index did. Without it the
+        ranges are fitted on a seeded sample of ``calibration_rows`` of these inputs' own vectors (as
+        sentence-transformers' ``quantize_embeddings`` does without calibration embeddings).
+
+    Returns ``np.ndarray [N, W]``, one row per input row, in input order: float32 (or float16, int8,
+    uint8 with W = D; binary/ubinary packed bits, W = D/8, as ``output.dtype`` says).
     """
     from tqdm.auto import tqdm
 
@@ -49,9 +59,50 @@ def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "
             parts.append(encoder.embed(texts))
             bar.update(len(texts))
     out = np.concatenate(parts) if len(parts) > 2 else parts[-1]
+    if job.output.dtype != "float32":
+        out = _quantize(out, job.output, calibration)
     if isinstance(inputs, str):
         return out[0]
     return out if add_column is None else _with_column(inputs, add_column, out)
+
+
+def _quantize(vectors: np.ndarray, output, calibration) -> np.ndarray:
+    """Float vectors [N, D] to ``output.dtype``'s stored values [N, W]."""
+    from embedpipe.io.quantize import fit_calibration, quantize, stored_type
+
+    if stored_type(output.dtype).calibrated:
+        if calibration is None:
+            if not len(vectors):
+                raise ValueError(f"embed(): output_dtype={output.dtype!r} needs calibration ranges and there are "
+                                 f"no inputs to fit them on: pass calibration=")
+            rng = np.random.default_rng(output.calibration_seed)
+            pick = np.sort(rng.choice(len(vectors), size=min(output.calibration_rows, len(vectors)), replace=False))
+            calibration = fit_calibration(vectors[pick], precision=output.dtype, seed=output.calibration_seed,
+                                          input_rows=len(vectors))
+        else:
+            calibration = _load_calibration(calibration, output.dtype)
+    return quantize(vectors, dtype=output.dtype, calibration=calibration)
+
+
+def _load_calibration(calibration, dtype: str) -> Calibration:
+    """A Calibration as given, or read from a job output folder / its quantization.json."""
+    from pathlib import Path
+
+    if not isinstance(calibration, Calibration):
+        path = Path(calibration)
+        path = path / "quantization.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"embed(): calibration={str(calibration)!r}: no quantization.json there; pass "
+                                    f"the output folder of a job with output.dtype {dtype!r}, or a Calibration")
+        record = json.loads(path.read_text())
+        if "calibration" not in record:
+            raise ValueError(f"embed(): {path} records output.dtype {record.get('dtype')!r}, which has no "
+                             f"calibration ranges: pass the output of an int8/uint8 job")
+        calibration = Calibration(**record["calibration"])
+    if calibration.precision != dtype:
+        raise ValueError(f"embed(): the calibration is for {calibration.precision}, output_dtype is {dtype!r}: "
+                         f"pass output_dtype={calibration.precision!r}")
+    return calibration
 
 
 @functools.lru_cache(maxsize=2)

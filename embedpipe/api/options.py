@@ -1,7 +1,7 @@
 """``embed()``'s keyword options: job-file fields under their own names, validated by the job schema.
 
-Every field of ``model`` (but ``path``, which is ``model=``), ``output.dim``/``output.dtype`` where
-the schema has them, ``input.on_bad_row`` (error or embed_empty: embed returns one row per input,
+Every field of ``model`` (but ``path``, which is ``model=``), ``output.dim``/``output.dtype`` and the
+int8 calibration sample's ``calibration_rows``/``calibration_seed``, ``input.on_bad_row`` (error or embed_empty: embed returns one row per input,
 so skip is refused), and the ``batching`` and ``runtime`` fields, so a new schema field is an
 option the day it lands. A name two sections share keeps its plain form for the first section
 in ``OPTION_SECTIONS`` and takes ``<section>_`` for the next: ``dtype`` is ``model.dtype``,
@@ -18,7 +18,7 @@ from embedpipe.config import SECTIONS, JobError, JobSpec, parse_section
 # section -> the fields that are options (None: all of them but `path`), in naming priority order
 OPTION_SECTIONS: dict[str, tuple[str, ...] | None] = {
     "model": None,
-    "output": ("dim", "dtype"),
+    "output": ("dim", "dtype", "calibration_rows", "calibration_seed"),
     "input": ("on_bad_row",),
     "batching": None,
     "runtime": None,

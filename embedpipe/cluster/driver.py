@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import ray
 from tqdm.auto import tqdm
 
+from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.connect import connect, plan_workers
 from embedpipe.cluster.scheduler import Scheduler
 from embedpipe import versions
@@ -101,11 +102,15 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         started_ray = connect(job.cluster)
         try:
             workers = plan_workers(job.cluster)
+            calibration = prepare_quantization(job, plan.units, output, cpus=workers.cpus_per_worker,
+                                               gpus=workers.gpus_per_worker,
+                                               previous=Path(incremental.previous).parent if incremental
+                                               and incremental.previous else None)
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker,
-                                                         incremental=incremental),
+                                                         incremental=incremental, calibration=calibration),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error)
             per_worker = [Counters() for _ in range(scheduler.workers)]

@@ -39,7 +39,10 @@ class UnitResult:
 class EmbedWorker:
     """Plain class; the driver wraps it with ``ray.remote`` and its resources."""
 
-    def __init__(self, job: JobSpec, *, index: int, threads: int, incremental: Incremental | None = None):
+    def __init__(self, job: JobSpec, *, index: int, threads: int, incremental: Incremental | None = None,
+                 calibration=None):
+        """``calibration``: the run's int8/uint8 ranges (embedpipe.io.quantize.Calibration), the same on
+        every worker, replacements included: the driver fits them before any worker starts."""
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.formats import UnitReader
@@ -50,7 +53,8 @@ class EmbedWorker:
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder(EncoderSettings.from_job(job, threads=threads))
-        self.writer = ParquetPartWriter(output_path=job.output.path)
+        self.writer = ParquetPartWriter(output_path=job.output.path, dtype=job.output.dtype, calibration=calibration,
+                                        dim=self.encoder.dim)
         self.manifest = Manifest(job.output.path)
         self.incremental = incremental
         self.previous = None
@@ -82,7 +86,7 @@ class EmbedWorker:
             vectors, extra = self._embed_incremental(rows, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
-            part = self.writer(unit.id, rows.ids, vectors, extra)
+            part = self.writer(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
             if rows.skipped.num_rows:
                 write_table_atomic(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done
@@ -104,11 +108,11 @@ class EmbedWorker:
             if self.previous is not None:
                 reuse, reused, counters.previous_ids = self.previous.lookup(rows.ids, hashes)
         fresh = np.flatnonzero(~reuse)
-        encoded = self.encoder.embed([rows.texts[i] for i in fresh], counters)
-        vectors = np.empty((len(rows.texts), self.encoder.dim), dtype=np.float32)
+        encoded = self.writer.store(self.encoder.embed([rows.texts[i] for i in fresh], counters))  # [F, W]
+        vectors = np.empty((len(rows.texts), encoded.shape[1]), dtype=encoded.dtype)  # stored values, [N, W]
         vectors[fresh] = encoded
         if reuse.any():
-            vectors[reuse] = reused
+            vectors[reuse] = reused  # stored values of the same dtype, dim and calibration (they are in the salt)
             counters.rows += int(reuse.sum())
             counters.reused_rows = int(reuse.sum())
         return vectors, {"content_hash": hashes}

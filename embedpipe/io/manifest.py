@@ -23,7 +23,8 @@ from typing import Any
 
 MANIFEST = "_manifest"
 # What embedpipe writes under output.path; --overwrite removes exactly these.
-OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet")
+OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet",
+         "quantization.json")
 FINGERPRINT_SKIP = {"input": {"path"}, "model": {"path"}, "output": {"path"}}  # covered by file fingerprints
 
 

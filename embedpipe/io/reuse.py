@@ -39,7 +39,10 @@ class PreviousVectors:
                              f"run; run once more without output.incremental to start one")
 
     def lookup(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, np.ndarray, int]:
-        """(reuse mask [N], vectors of the reused rows in order [R, D], ids present before)."""
+        """(reuse mask [N], stored vectors of the reused rows in order [R, W], ids present before).
+
+        The vectors keep their stored type (float32, float16, int8, uint8): the salt covers output.dtype
+        and output.dim, so a reused row always has the type and width of the run's fresh rows."""
         found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=pc.field("id").isin(ids))
         previous = dict(zip(found["id"].to_pylist(), zip(found["content_hash"].to_pylist(),
                                                          found["__filename"].to_pylist())))
@@ -54,4 +57,4 @@ class PreviousVectors:
             flat = part["embedding"].combine_chunks()
             rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
             by_id.update(zip(part["id"].to_pylist(), rows))
-        return reuse, np.stack([by_id[i] for i in reused_ids]).astype(np.float32), len(previous)
+        return reuse, np.stack([by_id[i] for i in reused_ids]), len(previous)

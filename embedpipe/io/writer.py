@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,12 +10,29 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from embedpipe.io.quantize import METADATA_KEY, Calibration, quantization_record, quantize, stored_type
 
-def vectors_table(ids: pa.Array, vectors: np.ndarray) -> pa.Table:
-    """``id`` (type kept) and ``embedding`` (fixed-size list of float32)."""
-    n, dim = vectors.shape
-    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
-    return pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(flat, dim)})
+
+def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
+                  calibration: Calibration | None = None, stored: bool = False, dim: int | None = None) -> pa.Table:
+    """``id`` (type kept) and ``embedding``: a fixed-size list of ``dtype``'s stored type
+    (float32, halffloat, int8 or uint8; dim/8 packed bytes for binary/ubinary). Quantized parts
+    carry the quantization record (dtype, dim, calibration) in the schema metadata.
+
+    ``vectors``: float vectors [N, D], or with ``stored=True`` values already of the stored type
+    [N, W] (an incremental run's reused rows next to fresh ones), ``dim`` then giving D."""
+    if stored:
+        if dim is None:
+            raise ValueError("stored vectors need their float dimension: pass dim")
+    else:
+        dim = vectors.shape[1]
+        vectors = quantize(vectors, dtype=dtype, calibration=calibration)  # [N, W]
+    flat = pa.array(np.ascontiguousarray(vectors).reshape(-1), type=stored_type(dtype).arrow)
+    table = pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
+    if dtype in ("float32", "float16"):
+        return table
+    record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(record).encode()})
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> Path:
@@ -27,18 +45,30 @@ def write_table_atomic(table: pa.Table, path: Path) -> Path:
 
 
 class ParquetPartWriter:
-    """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit."""
+    """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit.
 
-    def __init__(self, *, output_path: str):
+    int8/uint8 need the run's ``calibration`` (the same on every worker: the driver fits it)."""
+
+    def __init__(self, *, output_path: str, dtype: str = "float32", calibration: Calibration | None = None,
+                 dim: int | None = None):
         self.dir = Path(output_path) / "vectors"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype, self.calibration, self.dim = dtype, calibration, dim
+        if stored_type(dtype).calibrated and calibration is None:  # fail at startup, not at the first unit
+            raise ValueError(f"output.dtype {dtype!r} needs the run's calibration ranges")
 
     def path_for(self, unit_id: str) -> Path:
         return self.dir / f"part-{unit_id}.parquet"
 
+    def store(self, vectors: np.ndarray) -> np.ndarray:
+        """Float vectors [N, D] -> the stored values [N, W] this writer writes."""
+        return quantize(vectors, dtype=self.dtype, calibration=self.calibration)
+
     def __call__(self, unit_id: str, ids: pa.Array, vectors: np.ndarray,
-                 extra: dict[str, pa.Array] | None = None) -> str:
-        table = vectors_table(ids, vectors)
+                 extra: dict[str, pa.Array] | None = None, *, stored: bool = False) -> str:
+        """``vectors``: float [N, D], or stored values [N, W] from ``store`` (and reused rows) with ``stored``."""
+        table = vectors_table(ids, vectors, dtype=self.dtype, calibration=self.calibration, stored=stored,
+                              dim=self.dim)
         for name, column in (extra or {}).items():  # e.g. content_hash of incremental runs
             table = table.append_column(name, column)
         return str(write_table_atomic(table, self.path_for(unit_id)))

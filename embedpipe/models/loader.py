@@ -44,9 +44,13 @@ class LoadedModel:
         The head (pool, Dense, normalize) runs once per sequence and is not counted."""
         return self.model.flops_per_token(seq_len)
 
-    def build_head(self, *, pooling: str = "auto", normalize: bool | str = "auto") -> EmbeddingHead:
+    def build_head(self, *, pooling: str = "auto", normalize: bool | str = "auto", dim: int | None = None,
+                   skip_tokens: int = 0) -> EmbeddingHead:
+        if dim is not None and dim > self.dim:
+            raise ValueError(f"output.dim {dim} exceeds the model's dimension {self.dim}: set it to at most {self.dim}")
         head = build_head(
-            self.spec, pooling=pooling, normalize=normalize, default_pooling=self.model.default_pooling
+            self.spec, pooling=pooling, normalize=normalize, default_pooling=self.model.default_pooling, dim=dim,
+            skip_tokens=skip_tokens,
         )
         return head.to(self.device)
 

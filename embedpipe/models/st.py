@@ -154,3 +154,28 @@ def dense_dim(spec: STSpec, hidden_size: int) -> int:
     """Output dimension after the Dense stack (hidden_size when there is none)."""
     return spec.dense[-1].out_features if spec.dense else hidden_size
 
+
+
+def model_dim(root: str | Path, spec: STSpec) -> int:
+    """The directory's vector dimension, from config.json and the Dense configs (no weights loaded)."""
+    config = _json(Path(root) / spec.transformer_dir / "config.json")
+    if "hidden_size" not in config:
+        raise ValueError(f"{Path(root) / spec.transformer_dir}/config.json has no hidden_size")
+    return dense_dim(spec, int(config["hidden_size"]))
+
+
+def resolve_prompt(spec: STSpec, *, prompt: str | None = None, prompt_name: str | None = None) -> str:
+    """The prefix put before every text, as sentence-transformers' encode() picks it: an explicit
+    prompt (even ""), else the named prompt, else the model's default_prompt_name, else none."""
+    if prompt is not None and prompt_name is not None:
+        raise ValueError(f"both a prompt {prompt!r} and a prompt_name {prompt_name!r} are given; set only one")
+    if prompt is not None:
+        return prompt
+    if prompt_name is not None:
+        if prompt_name not in spec.prompts:
+            known = ", ".join(repr(k) for k in spec.prompts) or "none: the model defines no prompts"
+            raise ValueError(f"{prompt_name!r} is not one of the model's prompts (available: {known})")
+        return spec.prompts[prompt_name]
+    if spec.default_prompt_name is not None:
+        return spec.prompts.get(spec.default_prompt_name) or ""
+    return ""

@@ -12,7 +12,9 @@ import torch
 
 from embedpipe.models import load_model
 from embedpipe.models.resolve import resolve_model_path
+from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
+from embedpipe.runtime.cpu import keep_freed_memory, use_onednn_linears
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import RunnerSettings, build_runner
 from embedpipe.runtime.warmup import warmup_guard
@@ -33,6 +35,9 @@ class EncoderSettings:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     normalize: bool | Literal["auto"] = "auto"
+    prompt: str | None = None  # a literal prefix; None: prompt_name, else the model's default prompt
+    prompt_name: str | None = None  # one of the model's named prompts
+    output_dim: int | None = None  # keep the first output_dim dimensions (Matryoshka); None: all
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attention: str = "auto"
     max_tokens: int = 8192
@@ -48,7 +53,8 @@ class EncoderSettings:
         runner = RunnerSettings(cuda_graphs=r.cuda_graphs, buckets=tuple(b.buckets) if b.buckets else None,
                                 max_graphs=r.max_graphs, graph_memory_mb=r.graph_memory_mb)
         return cls(model_path=m.path, max_seq_len=m.max_seq_len, dtype=m.dtype, pooling=m.pooling,
-                   normalize=m.normalize, device=r.device, attention=r.attention, max_tokens=b.max_tokens,
+                   normalize=m.normalize, prompt=m.prompt, prompt_name=m.prompt_name, output_dim=job.output.dim,
+                   device=r.device, attention=r.attention, max_tokens=b.max_tokens,
                    sort_window=b.sort_window, threads=threads, allow_pickle=m.allow_pickle, runner=runner,
                    warmup_check=r.warmup_check)
 
@@ -59,18 +65,27 @@ class Encoder:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if settings.device == "auto" else settings.device
+        if self.device == "cpu":
+            keep_freed_memory()  # no page faults on every step's activations (see runtime/cpu.py)
         self.model_dir = resolve_model_path(settings.model_path)
         self.loaded = load_model(self.model_dir, dtype=DTYPES[settings.dtype], device=self.device,
                                  attention_backend=settings.attention, allow_pickle=settings.allow_pickle)
+        if self.device == "cpu":
+            use_onednn_linears(self.loaded.model)  # AVX-512 float32 GEMMs where MKL runs AVX2 (see runtime/cpu.py)
         spec = self.loaded.spec
-        self.head = self.loaded.build_head(pooling=settings.pooling, normalize=settings.normalize)
+        self.prompt = resolve_prompt(spec, prompt=settings.prompt, prompt_name=settings.prompt_name)
         self.max_seq_len = settings.max_seq_len or spec.max_seq_len or min(self.loaded.max_positions, 8192)
         if self.max_seq_len > settings.max_tokens:
             raise ValueError(f"model.max_seq_len={self.max_seq_len} exceeds batching.max_tokens="
                              f"{settings.max_tokens}: raise batching.max_tokens or lower model.max_seq_len")
-        self.tokenizer = TextTokenizer(self.model_dir, max_seq_len=self.max_seq_len, lower_case=spec.do_lower_case)
+        self.tokenizer = TextTokenizer(self.model_dir, max_seq_len=self.max_seq_len, lower_case=spec.do_lower_case,
+                                       prompt=self.prompt)
         self.packer = TokenPacker(max_tokens=settings.max_tokens, sort_window=settings.sort_window)
-        self.dim = self.loaded.dim
+        # sentence-transformers' include_prompt=false: the prompt's tokens stay out of the pool
+        skip = 0 if spec.include_prompt else self.tokenizer.prompt_length
+        self.head = self.loaded.build_head(pooling=settings.pooling, normalize=settings.normalize,
+                                           dim=settings.output_dim, skip_tokens=skip)
+        self.dim = settings.output_dim or self.loaded.dim
         self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_tokens=settings.max_tokens,
                                    max_seq_len=self.max_seq_len, settings=settings.runner)
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,

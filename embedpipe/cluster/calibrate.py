@@ -1,0 +1,108 @@
+"""Quantized outputs: one int8/uint8 calibration for the whole run, and the record readers need.
+
+    sample rows (seeded) -> embed them on one worker slot (Ray task) -> per-dimension min/max
+    -> every worker gets the same Calibration -> <output>/quantization.json
+
+The calibration is fitted once and then kept: a resumed run reads it back from the output, and an
+incremental run takes the current version's (reused vectors and fresh ones share one set of
+ranges). The sample is a cluster sample, bounded in cost on any corpus size: units drawn uniformly
+(at least one per SAMPLE_ROWS_PER_UNIT rows asked, and enough to hold the rows asked), read whole
+through the input's reader (bad rows left out), then rows drawn uniformly among them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from embedpipe.config import InputConfig, JobSpec
+from embedpipe.io.quantize import Calibration, fit_calibration, quantization_record, stored_type
+from embedpipe.units import Unit
+
+log = logging.getLogger(__name__)
+
+RECORD = "quantization.json"
+SAMPLE_ROWS_PER_UNIT = 1000  # rows asked per unit read: 10,000 rows -> 10 units
+
+
+def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -> list[str]:
+    """Up to ``rows`` texts: units drawn uniformly (seeded), then rows uniformly among their good rows."""
+    from embedpipe.io.formats import UnitReader
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(units))  # units in a seeded random order; take a prefix of it
+    spread = max(1, math.ceil(rows / SAMPLE_ROWS_PER_UNIT))  # at least this many units ...
+    held = np.cumsum([units[i].num_rows for i in order.tolist()])  # ... holding at least `rows` rows
+    k = min(len(units), max(spread, int(np.searchsorted(held, rows)) + 1))
+    chosen = np.sort(order[:k])
+    # bad rows are left out of the sample whatever input.on_bad_row says: the ranges are of real texts
+    reader = UnitReader(text_column=cfg.text_column, id_column=cfg.id_column, on_bad_row="skip")
+    texts = [t for i in chosen.tolist() for t in reader(units[i]).texts]
+    picks = np.sort(rng.choice(len(texts), size=min(rows, len(texts)), replace=False))
+    return [texts[i] for i in picks.tolist()]
+
+
+def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
+    """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D]."""
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    return Encoder(EncoderSettings.from_job(job, threads=threads)).embed(texts)
+
+
+def read_record(folder: str | Path | None) -> dict | None:
+    path = None if folder is None else Path(folder) / RECORD
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, previous: str | Path | None,
+                         cpus: float, gpus: float) -> Calibration | None:
+    """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
+
+    Order: this output's record (a resumed run), the previous version's (an incremental run), else
+    fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
+    """
+    dtype = job.output.dtype
+    if dtype in ("float32", "float16"):
+        return None
+    calibration = None
+    if stored_type(dtype).calibrated:
+        for source in (output, previous):
+            record = read_record(source)
+            if record and record.get("dtype") == dtype and "calibration" in record:
+                calibration = Calibration(**record["calibration"])
+                log.info("int8 calibration taken from %s", Path(source) / RECORD)
+                break
+        else:
+            calibration = fit(job, units, cpus=cpus, gpus=gpus)
+    record = quantization_record(dtype=dtype, dim=_vector_dim(job), calibration=calibration)
+    (output / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return calibration
+
+
+def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float) -> Calibration:
+    import ray
+
+    o = job.output
+    texts = sample_texts(job.input, units, rows=o.calibration_rows, seed=o.calibration_seed)
+    if not texts:
+        raise ValueError("output.dtype int8/uint8: the calibration sample found no text rows in the input")
+    task = ray.remote(_embed_sample).options(num_cpus=cpus, num_gpus=gpus, max_retries=1)
+    vectors = ray.get(task.remote(job, texts, max(int(cpus), 1)))
+    log.info("int8 calibration fitted on %d sampled rows", len(texts))
+    return fit_calibration(vectors, precision=o.dtype, seed=o.calibration_seed,
+                           input_rows=sum(u.num_rows for u in units))
+
+
+def _vector_dim(job: JobSpec) -> int:
+    """D of the stored vectors, without loading weights: output.dim, else the model directory's."""
+    if job.output.dim is not None:
+        return job.output.dim
+    from embedpipe.models.resolve import resolve_model_path
+    from embedpipe.models.st import model_dim, read_st_spec
+
+    root = resolve_model_path(job.model.path)
+    return model_dim(root, read_st_spec(root))

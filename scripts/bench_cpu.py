@@ -1,0 +1,291 @@
+"""CPU speed: sentence-transformers `encode` against our packed engine, in one process.
+
+Same corpus (a seeded sample of Linux kernel docs paragraphs), same model (the packaged
+all-MiniLM-L6-v2), same torch thread count. Prints, for sentence-transformers at its best batch
+size and for our engine in float32 and bfloat16: real (unpadded) tokens per second, the ratio to
+sentence-transformers, peak memory, cosine against sentence-transformers' vectors, and model-FLOPs
+utilisation against this machine's measured fp32 / bf16 matmul rate.
+
+The machine may be shared, so absolute timings are noisy: the corpus is cut into chunks and the
+contenders run interleaved on each chunk, several times; each (contender, chunk) keeps its best
+time. The ratio therefore compares best case with best case, measured over the same minutes.
+
+    .venv/bin/python scripts/bench_cpu.py                   # ~2-3 minutes on 2 quiet cores
+    .venv/bin/python scripts/bench_cpu.py --rows 500 --repeats 2 --batch-sizes 32   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--corpus", type=Path, default=CORPUS, help="Parquet file with a `text` column")
+    p.add_argument("--rows", type=int, default=2000, help="rows sampled from the corpus (seeded)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch threads for every contender")
+    p.add_argument("--chunks", type=int, default=8, help="the corpus is timed in this many interleaved chunks")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes; each (contender, chunk) keeps its best")
+    p.add_argument("--batch-sizes", default="16,32,64", help="sentence-transformers batch sizes to try")
+    p.add_argument("--max-tokens", type=int, default=None, help="our batching.max_tokens (default: the job default)")
+    p.add_argument("--ablations", action="store_true",
+                   help="also time our fp32 engine with torch's own (MKL) linears and with the sdpa attention backend")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--memory-of", choices=list(MEMORY_RUNS), default=None,
+                   help="(internal) measure one contender's peak memory in this process and print it")
+    return p.parse_args()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every 5 ms from /proc (Linux)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self) -> "PeakRSS":
+        self.base, self.peak, self._stop = self.rss(), 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.rss() - self.base)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss() - self.base)
+
+
+@dataclass
+class Contender:
+    name: str
+    run: Callable[[list[str]], np.ndarray]  # texts -> vectors [N, D]
+    best: dict[int, float] = field(default_factory=dict)  # chunk -> best seconds
+    cpu: dict[int, float] = field(default_factory=dict)  # chunk -> process CPU seconds of the best run
+    vectors: np.ndarray | None = None
+
+
+def time_interleaved(contenders: list[Contender], chunks: list[list[str]], *, repeats: int) -> None:
+    for rep in range(repeats):
+        for c, texts in enumerate(chunks):
+            for contender in contenders:
+                wall, cpu = time.perf_counter(), time.process_time()
+                contender.run(texts)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                if wall < contender.best.get(c, float("inf")):
+                    contender.best[c], contender.cpu[c] = wall, cpu
+        print(f"  pass {rep + 1}/{repeats}: " + ", ".join(
+            f"{k.name} {sum(k.best.values()):.1f}s" for k in contenders), file=sys.stderr, flush=True)
+
+
+def matmul_rate(dtype, *, m: int = 8192, k: int = 384, n: int = 1536, seconds: float = 1.0) -> dict[str, float]:
+    """Best FLOP/s of a [m, k] x [k, n] linear at the model's own shape (tokens x hidden x
+    intermediate), through torch (MKL for fp32, oneDNN for bf16) and through oneDNN directly."""
+    import torch
+
+    a, w, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    ways = {"torch": lambda: torch.nn.functional.linear(a, w, b)}
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        ways["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w, b, "none", [], "")
+    rates = {}
+    for name, f in ways.items():
+        f()
+        best, until = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            start = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2.0 * m * k * n / best
+    return rates
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+# --------------------------------------------------------------------------- main
+
+MEMORY_RUNS = ("st", "float32", "bfloat16")
+
+
+def load_texts(args: argparse.Namespace) -> list[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(args.corpus, columns=["text"])
+    rows = np.random.default_rng(args.seed).choice(table.num_rows, min(args.rows, table.num_rows), replace=False)
+    return table["text"].take(np.sort(rows)).to_pylist()
+
+
+def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Callable[[list[str]], np.ndarray]:
+    """One contender's texts -> vectors function, its model loaded. kind: "st", a dtype, or an
+    ablation "float32-mkl" (torch's own linears) / "float32-sdpa" (the sdpa attention backend)."""
+    from embedpipe.models.resolve import resolve_model_path
+
+    model_dir = str(resolve_model_path(MODEL))
+    if kind == "st":
+        from sentence_transformers import SentenceTransformer
+
+        st = SentenceTransformer(model_dir, device="cpu")
+        return lambda texts: st.encode(texts, batch_size=st_batch_size)
+    from unittest import mock
+
+    from embedpipe.runtime import Encoder, EncoderSettings, cpu
+
+    dtype, _, ablation = kind.partition("-")
+    extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
+    if ablation == "sdpa":
+        extra["attention"] = "sdpa"
+    with mock.patch.object(cpu, "_onednn_linear_works", lambda: ablation != "mkl"):
+        encoder = Encoder(EncoderSettings(model_path=model_dir, dtype=dtype, threads=args.threads, **extra))
+    return encoder.embed
+
+
+def peak_memory(kind: str, args: argparse.Namespace, *, st_batch_size: int) -> int:
+    """Peak RSS above the loaded model while one contender embeds one chunk, in a fresh process."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--memory-of", kind, "--corpus", str(args.corpus), "--rows", str(args.rows),
+           "--seed", str(args.seed), "--threads", str(args.threads), "--batch-sizes", str(st_batch_size),
+           "--chunks", str(args.chunks)]
+    if args.max_tokens is not None:
+        cmd += ["--max-tokens", str(args.max_tokens)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return int(out.strip().splitlines()[-1])
+
+
+def memory_only(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    texts = load_texts(args)[::args.chunks]  # the first chunk
+    run = build(args.memory_of, args, st_batch_size=int(args.batch_sizes.split(",")[0]))
+    run(texts[:8])  # lazy initialisation is not part of the peak
+    with PeakRSS() as mem:
+        run(texts)
+    print(mem.peak)
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.corpus.is_file():
+        print(f"skipped: corpus {args.corpus} is absent (it lives in ../shared/data next to the repository; "
+              f"pass --corpus PATH to a Parquet file with a `text` column)")
+        return 0
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.memory_of:
+        return memory_only(args)
+    import torch
+
+    from embedpipe.models import load_model
+    from embedpipe.models.resolve import resolve_model_path
+    from embedpipe.text.tokenizer import TextTokenizer
+
+    torch.set_num_threads(args.threads)
+    texts = load_texts(args)
+    chunks = [texts[i::args.chunks] for i in range(args.chunks)]  # every chunk spans the whole length range
+    model_dir = resolve_model_path(MODEL)
+    lengths = TextTokenizer(model_dir, max_seq_len=256)(texts).lengths
+    real_tokens = int(lengths.sum())
+    print(f"corpus: {len(texts):,} rows of {args.corpus.name} (seed {args.seed}), {real_tokens:,} real tokens, "
+          f"mean {lengths.mean():.1f}, max {lengths.max()}; torch {torch.__version__}, {args.threads} threads",
+          file=sys.stderr)
+
+    # sentence-transformers' best batch size, on one chunk, interleaved and best of 2
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    trial = [Contender(f"st bs={bs}", build("st", args, st_batch_size=bs)) for bs in sizes]
+    time_interleaved(trial, chunks[:1], repeats=2)
+    best_bs = sizes[int(np.argmin([c.best[0] for c in trial]))]
+    print("sentence-transformers batch sizes: " + ", ".join(f"{bs}: {c.best[0]:.2f}s" for bs, c in zip(sizes, trial))
+          + f" -> {best_bs}", file=sys.stderr)
+
+    kinds = {"embedpipe fp32": "float32", "embedpipe bf16": "bfloat16"}
+    if args.ablations:
+        kinds |= {"embedpipe fp32, torch (MKL) linears": "float32-mkl", "embedpipe fp32, sdpa attention": "float32-sdpa"}
+    contenders = [Contender(f"sentence-transformers fp32 (batch {best_bs})", trial[sizes.index(best_bs)].run)]
+    contenders += [Contender(name, build(kind, args)) for name, kind in kinds.items()]
+    del trial
+    for c in contenders:  # warm up, and the vectors for the cosine
+        c.vectors = np.concatenate([c.run(chunk) for chunk in chunks])
+    time_interleaved(contenders, chunks, repeats=args.repeats)
+
+    # model FLOPs: per token at each sequence's own length, over the corpus
+    loaded = load_model(model_dir, device="cpu")
+    flops = float(sum(loaded.flops_per_token(int(n)) * int(n) for n in lengths)) / real_tokens
+    measured = {"float32": matmul_rate(torch.float32), "bfloat16": matmul_rate(torch.bfloat16)}
+    rates = {dt: max(r.values()) for dt, r in measured.items()}  # the machine's best matmul rate per dtype
+    st_padded = sum(int(lengths[b].max()) * len(b) for b in _st_batches(texts, best_bs))
+    peaks = {kind: peak_memory(kind, args, st_batch_size=best_bs) for kind in MEMORY_RUNS}
+
+    base = sum(contenders[0].best.values())
+    results = []
+    for c, kind in zip(contenders, ["st", *kinds.values()]):
+        dt = "float32" if kind == "st" else kind.partition("-")[0]
+        peak = peaks.get(kind)
+        seconds = sum(c.best.values())
+        tps = real_tokens / seconds
+        cos = cosine(c.vectors, contenders[0].vectors)
+        results.append({
+            "contender": c.name, "seconds": round(seconds, 3), "tokens_per_s": round(tps, 1),
+            "tokens_per_cpu_s": round(real_tokens / sum(c.cpu.values()), 1), "ratio": round(base / seconds, 3),
+            "peak_mib": None if peak is None else round(peak / 2**20, 1), "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
+            "mfu": round(tps * flops / rates[dt], 4), "matmul_dtype": dt,
+        })
+    print_table(results, flops=flops, rates=measured, padded_fraction=1 - real_tokens / st_padded, args=args,
+                rows=len(texts), tokens=real_tokens)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                         "flops_per_token": flops, "matmul_flops": measured,
+                                         "st_batch_size": best_bs}, indent=2))
+    return 0
+
+
+def _st_batches(texts: list[str], bs: int) -> list[np.ndarray]:
+    """sentence-transformers' own batches: sorted by character length, longest first, cut every `bs`."""
+    order = np.argsort([-len(t) for t in texts], kind="stable")
+    return [order[i:i + bs] for i in range(0, len(order), bs)]
+
+
+def print_table(results: list[dict], *, flops: float, rates: dict, padded_fraction: float, args, rows: int,
+                tokens: int) -> None:
+    print(f"\n{rows:,} rows, {tokens:,} real tokens, {args.threads} threads; sentence-transformers pads "
+          f"{padded_fraction:.0%} of the tokens it computes at its best batch size")
+    rate = "; ".join(f"{dt}: " + ", ".join(f"{way} {r / 1e9:.0f}" for way, r in ways.items()) for dt, ways in rates.items())
+    print(f"model: {flops / 1e6:.1f} MFLOP/token (all-MiniLM-L6-v2, token-weighted over the sample); "
+          f"measured matmul GFLOP/s, [8192, 384] x [384, 1536]: {rate}; MFU is against the best of each dtype\n")
+    print("| contender | real tokens/s | × sentence-transformers | tokens per CPU-second | peak memory | cos vs ST (min / mean) | MFU (vs matmul rate) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    for r in results:
+        print(f"| {r['contender']} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}× | {r['tokens_per_cpu_s']:,.0f} | "
+              f"{'—' if r['peak_mib'] is None else format(r['peak_mib'], ',.0f') + ' MiB'} | {r['cos_min']:.7f} / {r['cos_mean']:.7f} | "
+              f"{r['mfu']:.0%} of {r['matmul_dtype']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

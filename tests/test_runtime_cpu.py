@@ -1,0 +1,33 @@
+"""CPU runtime settings: oneDNN linears give nn.Linear's results; the allocator setting is idempotent."""
+
+import pytest
+import torch
+from torch import nn
+
+from embedpipe.runtime.cpu import OneDNNLinear, keep_freed_memory, use_onednn_linears
+
+
+def test_keep_freed_memory_is_idempotent():
+    first = keep_freed_memory()
+    assert keep_freed_memory() == first and isinstance(first, bool)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_onednn_linears_match_nn_linear(dtype, tol):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Sequential(nn.Linear(96, 32, bias=False))).to(dtype).eval()
+    x = torch.randn(37, 48, dtype=dtype)
+    with torch.no_grad():
+        want = model(x)
+        swapped = use_onednn_linears(model)
+        if swapped == 0:
+            pytest.skip("torch has no oneDNN linear op here")
+        got = model(x)
+        assert swapped == 2 and isinstance(model[0], OneDNNLinear) and isinstance(model[2][0], OneDNNLinear)
+        assert model[0].weight.data_ptr() != 0 and model(x[None]).shape == (1, 37, 32)  # leading dims kept
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_float16_linears_are_left_alone():
+    model = nn.Sequential(nn.Linear(8, 8)).half()
+    assert use_onednn_linears(model) == 0 and type(model[0]) is nn.Linear
