@@ -101,12 +101,15 @@ def validate(job_file: JobFile, set_: SetOpt = None) -> None:
 @app.command()
 def search(output_dir: Annotated[Path, typer.Argument(help="A job's output.path (holding index/).", show_default=False)],
            query: Annotated[str, typer.Argument(help="The query text.", show_default=False)],
-           k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10) -> None:
+           k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10,
+           prompt: Annotated[Optional[str], typer.Option(
+               help="Put before the query (e.g. 'query: '); default: the model's own query prompt, if any.",
+               show_default=False)] = None) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable."""
     from embedpipe.index.search import IndexNotFound, open_index
 
     try:
-        index = open_index(output_dir)
+        index = open_index(output_dir, query_prompt=prompt)
     except IndexNotFound as exc:
         raise _fail(exc, EXIT_BAD_JOB) from None
     [hits] = index.search([query], k=k)

@@ -9,6 +9,7 @@ import json
 
 import faiss
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -175,11 +176,42 @@ def test_auto_index_under_a_tight_budget(tmp_path, corpus, flat, ray_session):
     assert table["id"][17].as_py() in [i for i, _ in hits]
 
 
+def test_matryoshka_float16_index_with_a_document_prompt(tmp_path, corpus, ray_session, minilm_dir):
+    """output.dim sizes the index; float16 parts feed it; queries get the query prompt (here none),
+    never the documents' model.prompt."""
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    table, folder = corpus
+    job = write_job(tmp_path / "job.yaml", input={"path": str(folder), "unit_rows": ROWS // 2},
+                    model={"path": "sentence-transformers/all-MiniLM-L6-v2", "max_seq_len": 64, "prompt": "passage: "},
+                    batching={"max_tokens": 2048},
+                    output={"path": str(tmp_path / "o"), "format": "both", "index": "Flat", "dim": 128,
+                            "dtype": "float16"},
+                    cluster={"workers": 1})
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "o"
+    part = pq.read_table(sorted((out / "vectors").glob("*.parquet"))[0])
+    assert part.schema.field("embedding").type == pa.list_(pa.float16(), 128)
+    index = faiss.read_index(str(out / "index" / "index.faiss"))
+    assert index.d == 128 and index.ntotal == ROWS
+    opened = embedpipe.open_index(out)
+    texts = [table["text"][i].as_py() for i in (3, 250)]
+    want = Encoder(EncoderSettings(model_path=str(minilm_dir), max_seq_len=64, output_dim=128, prompt="")).embed(texts)
+    np.testing.assert_allclose(opened.embed(texts), want, atol=1e-6)
+    passage = embedpipe.open_index(out, query_prompt="passage: ")
+    hits = passage.search(texts, k=3)
+    assert [h[0][0] for h in hits] == [table["id"][3].as_py(), table["id"][250].as_py()]
+    assert hits[0][0][1] == pytest.approx(1.0, abs=2e-3)  # the stored float16 copy of the same vector
+
+
 @pytest.mark.parametrize("output, field, words", [
     ({"index": "IVF8,PQ36"}, "output.index", "does not divide the dimension 384"),
     ({"index": "IVF8,PQ"}, "output.index", "must be followed by how vectors are stored"),
     ({"index": "IVF4096,Flat"}, "output.index", "at least 4,096 vectors"),
     ({"index_memory_gb": 0.0001}, "output.index_memory_gb", "too small for any index"),
+    ({"dtype": "int8"}, "output.dtype", "FAISS compresses vectors itself"),
+    ({"dtype": "binary", "index": "Flat"}, "output.dtype", "'HNSW32,SQ8'"),
 ])
 def test_bad_index_settings_fail_at_validation(tmp_path, corpus, output, field, words):
     job = write_job(tmp_path / "job.yaml", input={"path": str(corpus[1])},

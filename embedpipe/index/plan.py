@@ -83,7 +83,7 @@ def model_facts(job: JobSpec) -> ModelFacts:
     config = json.loads((root / spec.transformer_dir / "config.json").read_text())
     hidden = config.get("hidden_size") or config.get("d_model")
     normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
-    return ModelFacts(dim=dense_dim(spec, int(hidden)), normalize=normalize,
+    return ModelFacts(dim=job.output.dim or dense_dim(spec, int(hidden)), normalize=normalize,
                       query_prompt=spec.prompts.get("query", ""))
 
 

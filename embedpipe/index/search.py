@@ -37,7 +37,7 @@ def _job_from_dict(raw: dict):
 class OpenedIndex:
     """A built index: FAISS index, id map and the encoder settings, opened once, searched many times."""
 
-    def __init__(self, output_path: str | Path):
+    def __init__(self, output_path: str | Path, *, query_prompt: str | None = None):
         import faiss
 
         from embedpipe.versions import current_path
@@ -55,7 +55,9 @@ class OpenedIndex:
             space.set_index_parameter(self.index, name, value)
         self.ids = IdLookup(self.dir / "ids.parquet", native=self.meta["ids"] == "native")
         self.job = _job_from_dict(self.meta["job"])
-        self.query_prompt: str = self.meta.get("query_prompt", "")
+        # what goes before each query: given, else the model's "query" prompt recorded at build time (the
+        # job's own model.prompt is for the documents and is not used for queries)
+        self.query_prompt: str = self.meta.get("query_prompt", "") if query_prompt is None else query_prompt
         self._encoder = None
 
     @property
@@ -63,12 +65,14 @@ class OpenedIndex:
         if self._encoder is None:
             from embedpipe.runtime import Encoder, EncoderSettings
 
-            settings = dataclasses.replace(EncoderSettings.from_job(self.job), device="auto", attention="auto")
+            settings = dataclasses.replace(EncoderSettings.from_job(self.job), device="auto", attention="auto",
+                                           prompt=self.query_prompt, prompt_name=None)
             self._encoder = Encoder(settings)
         return self._encoder
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        return self.encoder.embed([self.query_prompt + t for t in texts])
+        """Query vectors [N, D]: the job's model settings and output.dim, with the query prompt."""
+        return self.encoder.embed(list(texts))
 
     def search(self, texts: str | list[str], k: int = 10) -> list[list[tuple[object, float]]]:
         """For each query text, (input id, score) pairs, best first (inner product: higher is closer;
@@ -107,6 +111,9 @@ class OpenedIndex:
         return found
 
 
-def open_index(output_path: str | Path) -> OpenedIndex:
-    """Open the index under ``<output_path>/index`` (or an index directory itself)."""
-    return OpenedIndex(output_path)
+def open_index(output_path: str | Path, *, query_prompt: str | None = None) -> OpenedIndex:
+    """Open the index under ``<output_path>/index`` (or an index directory itself).
+
+    ``query_prompt``: put before every query (e.g. ``"query: "`` for E5 models); None: the model's
+    own ``query`` prompt when its sentence-transformers config names one, else none."""
+    return OpenedIndex(output_path, query_prompt=query_prompt)
