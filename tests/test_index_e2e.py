@@ -163,6 +163,19 @@ def test_hnsw_index(tmp_path, corpus, flat, ray_session):
     assert table["id"][300].as_py() in [i for i, _ in hits]
 
 
+def test_changing_only_the_index_reuses_every_unit(tmp_path, corpus, flat, ray_session):
+    """Index settings are not part of the job fingerprint: the rerun embeds nothing and rebuilds the index."""
+    import shutil
+
+    table, folder = corpus
+    shutil.copytree(flat[0], tmp_path / "reindex")
+    out, report, _ = run(tmp_path, folder, name="reindex", format="faiss", index="HNSW32", target_recall=0.9)
+    whole = json.loads((out / "report.json").read_text())
+    assert whole["units"]["skipped_as_done"] == whole["units"]["total"] == 4 and whole["units"]["encoded"] == 0
+    assert report["factory"] == "HNSW32" and report["ntotal"] == ROWS
+    check_recall(out, report, flat[3])
+
+
 def test_auto_index_under_a_tight_budget(tmp_path, corpus, flat, ray_session):
     """1.4 MB holds no flat copy of 320 x 384 floats plus overheads: auto compresses, and proves it."""
     table, folder = corpus

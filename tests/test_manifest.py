@@ -8,12 +8,12 @@ from embedpipe.config import parse_job
 from embedpipe.io.manifest import Manifest, ManifestMismatch, job_fingerprint
 
 
-def _fp(tmp_path, minilm_dir, **model):
+def _fp(tmp_path, minilm_dir, output=None, **model):
     data = tmp_path / "in.parquet"
     if not data.exists():
         pq.write_table(pa.table({"id": ["a"], "text": ["t"]}), data)
     job = parse_job({"input": {"path": str(data)}, "model": {"path": str(minilm_dir), **model},
-                     "output": {"path": str(tmp_path / "out")}})
+                     "output": {"path": str(tmp_path / "out"), **(output or {})}})
     return job_fingerprint(job, files=[str(data)], model_dir=minilm_dir)
 
 
@@ -21,6 +21,12 @@ def test_fingerprint_tracks_settings_inputs_and_model(tmp_path, minilm_dir):
     base = _fp(tmp_path, minilm_dir)
     assert _fp(tmp_path, minilm_dir)["sha256"] == base["sha256"]
     assert _fp(tmp_path, minilm_dir, max_seq_len=64)["sha256"] != base["sha256"]
+    for changed in ({"dim": 128}, {"dtype": "float16"}, {"prompt": "query: "}):  # the stored vectors change
+        section = {"output": changed} if "prompt" not in changed else {}
+        assert _fp(tmp_path, minilm_dir, **section, **({} if section else changed))["sha256"] != base["sha256"]
+    # how the index is built from the parts does not change them: a rerun reuses every unit
+    index_only = {"format": "both", "index": "HNSW32", "index_memory_gb": 2.0, "target_recall": 0.9}
+    assert _fp(tmp_path, minilm_dir, output=index_only)["sha256"] == base["sha256"]
     pq.write_table(pa.table({"id": ["a", "b"], "text": ["t", "u"]}), tmp_path / "in.parquet")
     assert _fp(tmp_path, minilm_dir)["sha256"] != base["sha256"]
 

@@ -25,7 +25,11 @@ MANIFEST = "_manifest"
 # What embedpipe writes under output.path; --overwrite removes exactly these.
 OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet",
          "quantization.json")
-FINGERPRINT_SKIP = {"input": {"path"}, "model": {"path"}, "output": {"path"}}  # covered by file fingerprints
+# Left out of the job fingerprint: paths (the files' own fingerprints cover them) and the output settings
+# that do not change a stored vector (how the FAISS index is built from the parts, how many versions stay):
+# changing those reuses every finished unit, and a rerun builds the index anew from the same parts.
+FINGERPRINT_SKIP = {"input": {"path"}, "model": {"path"},
+                    "output": {"path", "format", "index", "index_memory_gb", "target_recall", "keep_versions"}}
 
 
 class ManifestMismatch(RuntimeError):
