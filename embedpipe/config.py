@@ -202,6 +202,9 @@ class RuntimeConfig:
     attention: Literal["auto", "sdpa", "matmul", "reference", "varlen", "flash"] = opt(
         "auto", "Attention backend; auto: flash-attn or torch varlen on GPU in float16/bfloat16, else SDPA; "
                 "on CPU matmul (length groups, float32 scores).")
+    cpu_keep_memory: bool = opt(True, "CPU: keep freed activation memory in the worker's heap instead of returning it "
+                                      "to the OS: no page faults on every step (MiniLM: ~25% faster), but a worker "
+                                      "then holds its peak memory until it exits.")
     cuda_graphs: bool = opt(True, "GPU: pad batches to batching.buckets and replay one CUDA graph per bucket "
                                   "(captured on first use); false: run eagerly on exact shapes.")
     max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")

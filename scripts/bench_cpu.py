@@ -161,7 +161,7 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
     extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
     if ablation == "sdpa":
         extra["attention"] = "sdpa"
-    with mock.patch.object(cpu, "_onednn_linear_works", lambda: ablation != "mkl"):
+    with mock.patch.object(cpu, "onednn_linear_works", lambda: ablation != "mkl"):
         encoder = Encoder(EncoderSettings(model_path=model_dir, dtype=dtype, threads=args.threads, **extra))
     return encoder.embed
 

@@ -57,12 +57,13 @@ def corpus(folder: Path, rows: int, *, files: int = 10) -> Path:
     return folder
 
 
-def run(rows: int, model: Path, work: Path) -> dict:
+def run(rows: int, model: Path, work: Path, *, sets: list[str]) -> dict:
     data = corpus(work / f"corpus-{rows}", rows)
     out = work / f"out-{rows}"
     cmd = [str(Path(sys.executable).parent / "embedpipe"), "run", str(ROOT / "jobs" / "adhoc.yaml"), "--no-progress",
            "--set", f"input.path={data}", "--set", f"output.path={out}", "--set", f"model.path={model}",
-           "--set", "model.max_seq_len=128", "--set", "input.unit_rows=10000", "--set", "cluster.workers=2"]
+           "--set", "model.max_seq_len=128", "--set", "input.unit_rows=10000", "--set", "cluster.workers=2",
+           *(arg for item in sets for arg in ("--set", item))]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     report = json.loads((out / "report.json").read_text())
@@ -73,13 +74,15 @@ def run(rows: int, model: Path, work: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="also set a job field, e.g. --set runtime.cpu_keep_memory=false")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = tiny_model(work / "model")
         print("| rows | wall s | driver peak MiB | worker peak MiB |\n| ---: | ---: | ---: | ---: |")
         for rows in args.rows:
-            r = run(rows, model, work)
+            r = run(rows, model, work, sets=args.set)
             workers = ", ".join(f"{m:.0f}" for m in r["workers_mb"])
             print(f"| {r['rows']:,} | {r['seconds']} | {r['driver_mb']:.0f} | {workers} |", flush=True)
 

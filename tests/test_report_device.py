@@ -46,3 +46,22 @@ def test_device_info_round_trips_through_a_dict():
     info = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", count=1, threads=2, host="n0",
                       peak_flops={"bfloat16": 7e14})
     assert DeviceInfo.from_dict(info.to_dict()) == info
+
+
+def test_cpu_probe_times_every_matmul_the_encoder_may_use():
+    """The CPU encoder runs oneDNN's linear op: the probe times it too, so MFU stays below 100%."""
+    import torch
+
+    from embedpipe.report.device import _matmuls
+    from embedpipe.runtime.cpu import onednn_linear_works
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
+    found = _matmuls("cpu", torch.float32)
+    assert len(found) == (2 if onednn_linear_works() else 1)
+    for mm in found:  # each computes a @ b (oneDNN's as a @ (b^T)^T: same FLOPs and shapes)
+        out = mm(a, b)
+        assert out.shape == (64, 64)
+        want = a @ b if mm is torch.mm else a @ b.T
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert len(_matmuls("cpu", torch.float16)) == 1 and len(_matmuls("cuda", torch.bfloat16)) == 1

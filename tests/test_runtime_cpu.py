@@ -31,3 +31,29 @@ def test_onednn_linears_match_nn_linear(dtype, tol):
 def test_float16_linears_are_left_alone():
     model = nn.Sequential(nn.Linear(8, 8)).half()
     assert use_onednn_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+def test_runtime_cpu_keep_memory_false_leaves_the_allocator_alone(minilm_dir, monkeypatch):
+    import embedpipe.runtime.encoder as encoder_mod
+    from embedpipe.api.options import job_for_options
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    calls = []
+    monkeypatch.setattr(encoder_mod, "keep_freed_memory", lambda **kw: calls.append(kw) or True)
+    job = job_for_options(str(minilm_dir), {"cpu_keep_memory": False, "device": "cpu"})
+    settings = EncoderSettings.from_job(job)
+    assert settings.cpu_keep_memory is False
+    Encoder(settings)
+    assert calls == []
+    Encoder(EncoderSettings(model_path=str(minilm_dir), device="cpu"))  # the default keeps it
+    assert len(calls) == 1
+
+
+def test_onednn_rows_are_padded_to_few_shapes():
+    from embedpipe.runtime.cpu import padded_rows
+
+    shapes = {padded_rows(n) for n in range(1, 8193)}
+    assert len(shapes) == 68 and max(shapes) == 8192
+    assert all(padded_rows(n) >= n for n in range(1, 8193))
+    assert max((padded_rows(n) - n) / n for n in range(2049, 8193)) < 0.125  # full batches: little waste
+    assert padded_rows(1) == 16 and padded_rows(300) == 320 and padded_rows(4000) == 4096

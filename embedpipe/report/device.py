@@ -1,7 +1,9 @@
 """What a worker runs on, and how fast that device can multiply: the denominator of MFU.
 
 ``describe_device`` names the device (GPU name, or CPU model and threads) and measures its peak
-rate with a short square-matmul probe. The probe runs once per machine: its result is cached in
+rate with a short square-matmul probe, through every matmul the encoder may use there (on CPU:
+torch's own, i.e. MKL, and oneDNN's linear op, which the CPU encoder runs; the faster counts), so
+MFU is against the best this device does, never above 100% because the probe took a slower path. The probe runs once per machine: its result is cached in
 ``~/.cache/embedpipe/peak_flops.json`` (``EMBEDPIPE_CACHE_DIR`` moves it), keyed by host, device,
 threads, dtype and torch version, under a file lock so that workers starting together on one host
 measure once instead of slowing each other down. Delete the file to measure again.
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 # square matmul sizes probed and the seconds of timed repeats per size: the fastest repeat wins
 PROBE_SIZES: dict[str, tuple[int, ...]] = {"cpu": (512, 1024), "cuda": (4096, 8192)}
 PROBE_SECONDS = 0.25
+PROBE_VERSION = 2  # in the cache key: 2 added the oneDNN matmul to the CPU probe
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ def cached_peak(info: DeviceInfo, dtype: str) -> float:
 
     import torch
 
-    key = f"{info.host}|{info.kind}|{info.name}|threads={info.threads}|{dtype}|torch={torch.__version__}"
+    key = (f"{info.host}|{info.kind}|{info.name}|threads={info.threads}|{dtype}|torch={torch.__version__}"
+           f"|probe={PROBE_VERSION}")
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -102,7 +106,8 @@ def cached_peak(info: DeviceInfo, dtype: str) -> float:
 
 
 def measure_peak_flops(kind: str, dtype: str, *, size: int, seconds: float = PROBE_SECONDS) -> float:
-    """FLOP/s of the fastest of a few size x size matmuls (2 n^3 FLOPs each) on this process's device."""
+    """FLOP/s of the fastest of a few size x size matmuls (2 n^3 FLOPs each) on this process's device,
+    over each matmul implementation the encoder may run there."""
     import torch
 
     n = size
@@ -112,18 +117,34 @@ def measure_peak_flops(kind: str, dtype: str, *, size: int, seconds: float = PRO
     a = torch.randn(n, n, device=dev, dtype=dt, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dt, generator=g)
     sync = torch.cuda.synchronize if kind == "cuda" else (lambda: None)
+    best = float("inf")
     with torch.inference_mode():
-        torch.mm(a, b)  # warm-up: kernel selection, page faults
-        sync()
-        best, deadline = float("inf"), time.perf_counter() + seconds
-        for _ in range(200):
-            start = time.perf_counter()
-            torch.mm(a, b)
+        for mm in _matmuls(kind, dt):
+            mm(a, b)  # warm-up: kernel selection, page faults
             sync()
-            best = min(best, time.perf_counter() - start)
-            if time.perf_counter() > deadline:
-                break
+            deadline = time.perf_counter() + seconds
+            for _ in range(200):
+                start = time.perf_counter()
+                mm(a, b)
+                sync()
+                best = min(best, time.perf_counter() - start)
+                if time.perf_counter() > deadline:
+                    break
     return 2.0 * n**3 / best
+
+
+def _matmuls(kind: str, dtype) -> list:
+    """(a, b) -> an n x n product of them (2 n^3 FLOPs), for each implementation the encoder may use here."""
+    import torch
+
+    found = [torch.mm]
+    if kind == "cpu":
+        from embedpipe.runtime.cpu import ONEDNN_DTYPES, onednn_linear_works
+
+        if dtype in ONEDNN_DTYPES and onednn_linear_works():
+            op = torch.ops.mkldnn._linear_pointwise
+            found.append(lambda a, b: op(a, b, None, "none", [], ""))  # a @ b^T: same FLOPs, same shapes
+    return found
 
 
 def _read(path: Path) -> dict[str, float]:

@@ -46,6 +46,7 @@ class EncoderSettings:
     allow_pickle: bool = False  # also read pytorch_model.bin (torch.load(weights_only=True))
     runner: RunnerSettings = RunnerSettings()  # GPU: buckets, CUDA graphs, staging depth
     warmup_check: bool = True  # compare the fast path with float32 eager before any real work
+    cpu_keep_memory: bool = True  # CPU: freed blocks stay in the malloc heap (see runtime/cpu.py)
 
     @classmethod
     def from_job(cls, job, *, threads: int | None = None) -> "EncoderSettings":
@@ -56,7 +57,7 @@ class EncoderSettings:
                    normalize=m.normalize, prompt=m.prompt, prompt_name=m.prompt_name, output_dim=job.output.dim,
                    device=r.device, attention=r.attention, max_tokens=b.max_tokens,
                    sort_window=b.sort_window, threads=threads, allow_pickle=m.allow_pickle, runner=runner,
-                   warmup_check=r.warmup_check)
+                   warmup_check=r.warmup_check, cpu_keep_memory=r.cpu_keep_memory)
 
 
 class Encoder:
@@ -65,7 +66,7 @@ class Encoder:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if settings.device == "auto" else settings.device
-        if self.device == "cpu":
+        if self.device == "cpu" and settings.cpu_keep_memory:
             keep_freed_memory()  # no page faults on every step's activations (see runtime/cpu.py)
         self.model_dir = resolve_model_path(settings.model_path)
         self.loaded = load_model(self.model_dir, dtype=DTYPES[settings.dtype], device=self.device,
