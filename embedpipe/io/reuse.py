@@ -5,8 +5,11 @@ model fingerprint and the vector settings, prompt included: the ``salt``). It is
 the vectors (column ``content_hash``), and a row of the next run whose id and hash match the
 previous version takes that vector instead of being encoded again.
 
-Lookup cost: per unit, one scan of the previous version's ``id`` and ``content_hash`` columns,
-then a read of only the part files that hold matches (usually the unit's own previous part).
+Lookup cost: per unit, a scan of the previous version's ``id`` and ``content_hash`` columns where
+their Parquet statistics overlap the unit's id range (the filter says ``min <= id <= max`` as well as
+``id in ids``: pyarrow prunes row groups by the range, not by the set), then a read of only the part
+files that hold matches. Ids that come in order (auto-increment keys, sorted dumps) touch a few row
+groups per unit; ids in random order (UUIDs) still scan every part's ids once per unit.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class PreviousVectors:
 
         The vectors keep their stored type (float32, float16, int8, uint8): the salt covers output.dtype
         and output.dim, so a reused row always has the type and width of the run's fresh rows."""
-        found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=pc.field("id").isin(ids))
+        found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=_id_filter(ids))
         previous = dict(zip(found["id"].to_pylist(), zip(found["content_hash"].to_pylist(),
                                                          found["__filename"].to_pylist())))
         wanted = [previous.get(i) for i in ids.to_pylist()]
@@ -58,3 +61,13 @@ class PreviousVectors:
             rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
             by_id.update(zip(part["id"].to_pylist(), rows))
         return reuse, np.stack([by_id[i] for i in reused_ids]), len(previous)
+
+
+def _id_filter(ids: pa.Array) -> pc.Expression:
+    """``id in ids``, and the range of ids for row-group pruning by statistics (same rows, fewer reads)."""
+    wanted = pc.field("id").isin(ids)
+    bounds = pc.min_max(ids)
+    low, high = bounds["min"], bounds["max"]
+    if not low.is_valid:  # no non-null id: the set alone
+        return wanted
+    return (pc.field("id") >= low) & (pc.field("id") <= high) & wanted
