@@ -154,7 +154,9 @@ class OutputConfig:
         if self.dim is not None:
             _positive(self, "output", "dim")
         _positive(self, "output", "calibration_rows")
-        if self.format != "parquet" and self.dtype not in ("float32", "float16"):
+        from embedpipe.io.quantize import stored_type
+
+        if self.format != "parquet" and stored_type(self.dtype).quantized:
             raise JobError("output.dtype", f"{self.dtype} vectors cannot feed the FAISS index (output.format: "
                            f"{self.format}); FAISS compresses vectors itself",
                            "keep output.dtype float32 and choose a compressed index (output.index: 'HNSW32,SQ8' "

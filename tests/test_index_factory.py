@@ -9,16 +9,8 @@ from embedpipe.index.factory import FactoryError, check_spec, parse_factory
 from embedpipe.index.plan import EXACT_MAX_ROWS, ModelFacts, auto_ladder, auto_nlist, plan_index
 from tests.conftest import QUICKSTART, write_job
 
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 MINILM = ModelFacts(dim=384, normalize=True, query_prompt="")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_faiss_thread():
-    """The test machine is shared: OpenMP threads spinning against other processes cost minutes."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
 
 
 def _job(tmp_path, **output):

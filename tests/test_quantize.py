@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from embedpipe.io.quantize import METADATA_KEY, OUTPUT_TYPES, Calibration, fit_calibration, quantize
-from embedpipe.cluster.calibrate import RECORD, prepare_quantization, sample_texts
+from embedpipe.io.quantize import METADATA_KEY, OUTPUT_TYPES, RECORD, Calibration, fit_calibration, quantize
+from embedpipe.cluster.calibrate import prepare_quantization, sample_texts
 from embedpipe.config import InputConfig
 from embedpipe.io.writer import ParquetPartWriter
 from embedpipe.units import plan_units

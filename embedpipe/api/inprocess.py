@@ -9,7 +9,6 @@ all of them come back as one array. Larger corpora: write them to files and run 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import sys
 from typing import Any, Iterator, Sequence
@@ -86,17 +85,15 @@ def _quantize(vectors: np.ndarray, output, calibration) -> np.ndarray:
 
 def _load_calibration(calibration, dtype: str) -> Calibration:
     """A Calibration as given, or read from a job output folder / its quantization.json."""
-    from pathlib import Path
+    from embedpipe.io.quantize import read_record
 
     if not isinstance(calibration, Calibration):
-        path = Path(calibration)
-        path = path / "quantization.json" if path.is_dir() else path
-        if not path.is_file():
+        record = read_record(calibration)
+        if record is None:
             raise FileNotFoundError(f"embed(): calibration={str(calibration)!r}: no quantization.json there; pass "
                                     f"the output folder of a job with output.dtype {dtype!r}, or a Calibration")
-        record = json.loads(path.read_text())
         if "calibration" not in record:
-            raise ValueError(f"embed(): {path} records output.dtype {record.get('dtype')!r}, which has no "
+            raise ValueError(f"embed(): {calibration} records output.dtype {record.get('dtype')!r}, which has no "
                              f"calibration ranges: pass the output of an int8/uint8 job")
         calibration = Calibration(**record["calibration"])
     if calibration.precision != dtype:

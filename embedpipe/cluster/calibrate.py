@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.config import InputConfig, JobSpec
-from embedpipe.io.quantize import Calibration, fit_calibration, quantization_record, stored_type
+from embedpipe.io.quantize import RECORD, Calibration, fit_calibration, quantization_record, read_record, stored_type
 from embedpipe.units import Unit
 
 log = logging.getLogger(__name__)
 
-RECORD = "quantization.json"
 SAMPLE_ROWS_PER_UNIT = 1000  # rows asked per unit read: 10,000 rows -> 10 units
 
 
@@ -53,11 +52,6 @@ def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
     return Encoder(EncoderSettings.from_job(job, threads=threads)).embed(texts)
 
 
-def read_record(folder: str | Path | None) -> dict | None:
-    path = None if folder is None else Path(folder) / RECORD
-    return json.loads(path.read_text()) if path is not None and path.is_file() else None
-
-
 def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, previous: str | Path | None,
                          cpus: float, gpus: float) -> Calibration | None:
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
@@ -66,7 +60,7 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, previ
     fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
     """
     dtype = job.output.dtype
-    if dtype in ("float32", "float16"):
+    if not stored_type(dtype).quantized:
         return None
     calibration = None
     if stored_type(dtype).calibrated:

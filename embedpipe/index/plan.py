@@ -16,7 +16,6 @@ smaller codes are not, and why no refine stage is added inside a budget).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,20 +69,16 @@ class IndexPlan:
 
 
 def model_facts(job: JobSpec) -> ModelFacts:
-    from embedpipe.models.resolve import resolve_model_path
-    from embedpipe.models.st import dense_dim, read_st_spec
-
-    from embedpipe.models.resolve import ModelNotFound
+    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
+    from embedpipe.models.st import model_dim, read_st_spec
 
     try:
         root = resolve_model_path(job.model.path)
     except ModelNotFound as exc:
         raise JobError("model.path", str(exc), "install the model where the driver runs too") from None
     spec = read_st_spec(root)
-    config = json.loads((root / spec.transformer_dir / "config.json").read_text())
-    hidden = config.get("hidden_size") or config.get("d_model")
     normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
-    return ModelFacts(dim=job.output.dim or dense_dim(spec, int(hidden)), normalize=normalize,
+    return ModelFacts(dim=job.output.dim or model_dim(root, spec), normalize=normalize,
                       query_prompt=spec.prompts.get("query", ""))
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 METADATA_KEY = b"embedpipe.quantization"  # Parquet schema metadata key of every part
+RECORD = "quantization.json"  # the same record, once per output folder
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,12 @@ class StoredType:
     encode: Callable[[np.ndarray, np.ndarray | None], np.ndarray]  # ([N, D] float32, ranges) -> [N, W]
     width: Callable[[int], int]  # D -> W
     calibrated: bool = False  # needs Calibration ranges
+    quantized: bool = True  # carries the quantization record (float32/float16 are plain casts)
 
 
 OUTPUT_TYPES: dict[str, StoredType] = {
-    "float32": StoredType(pa.float32(), lambda v, r: v.astype(np.float32, copy=False), lambda d: d),
-    "float16": StoredType(pa.float16(), lambda v, r: v.astype(np.float16), lambda d: d),
+    "float32": StoredType(pa.float32(), lambda v, r: v.astype(np.float32, copy=False), lambda d: d, quantized=False),
+    "float16": StoredType(pa.float16(), lambda v, r: v.astype(np.float16), lambda d: d, quantized=False),
     "int8": StoredType(pa.int8(), _int8, lambda d: d, calibrated=True),
     "uint8": StoredType(pa.uint8(), _uint8, lambda d: d, calibrated=True),
     "binary": StoredType(pa.int8(), lambda v, r: (np.packbits(v > 0, axis=-1) - 128).astype(np.int8), lambda d: -(-d // 8)),
@@ -114,3 +117,13 @@ def quantization_record(*, dtype: str, dim: int, calibration: Calibration | None
     if calibration is not None:
         record["calibration"] = asdict(calibration)
     return record
+
+
+def read_record(path: str | Path | None) -> dict | None:
+    """An output's quantization record: ``path`` is its folder or the ``quantization.json`` itself;
+    None when there is none."""
+    if path is None:
+        return None
+    path = Path(path)
+    path = path / RECORD if path.is_dir() else path
+    return json.loads(path.read_text()) if path.is_file() else None

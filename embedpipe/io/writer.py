@@ -29,7 +29,7 @@ def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
         vectors = quantize(vectors, dtype=dtype, calibration=calibration)  # [N, W]
     flat = pa.array(np.ascontiguousarray(vectors).reshape(-1), type=stored_type(dtype).arrow)
     table = pa.table({"id": ids, "embedding": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])})
-    if dtype in ("float32", "float16"):
+    if not stored_type(dtype).quantized:
         return table
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(record).encode()})

@@ -155,13 +155,13 @@ def dense_dim(spec: STSpec, hidden_size: int) -> int:
     return spec.dense[-1].out_features if spec.dense else hidden_size
 
 
-
 def model_dim(root: str | Path, spec: STSpec) -> int:
     """The directory's vector dimension, from config.json and the Dense configs (no weights loaded)."""
     config = _json(Path(root) / spec.transformer_dir / "config.json")
-    if "hidden_size" not in config:
-        raise ValueError(f"{Path(root) / spec.transformer_dir}/config.json has no hidden_size")
-    return dense_dim(spec, int(config["hidden_size"]))
+    hidden = config.get("hidden_size") or config.get("d_model")
+    if not hidden:
+        raise ValueError(f"{Path(root) / spec.transformer_dir}/config.json has no hidden_size (or d_model)")
+    return dense_dim(spec, int(hidden))
 
 
 def resolve_prompt(spec: STSpec, *, prompt: str | None = None, prompt_name: str | None = None) -> str:

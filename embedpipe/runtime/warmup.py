@@ -123,7 +123,7 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
     ref = load_model(encoder.model_dir, dtype=torch.float32, device=encoder.device, attention_backend="sdpa",
                      allow_pickle=getattr(settings, "allow_pickle", False))
     head = ref.build_head(pooling=settings.pooling, normalize=settings.normalize,
-                          dim=getattr(settings, "output_dim", None), skip_tokens=encoder.head.skip_tokens)
+                          dim=encoder.head.dim, skip_tokens=encoder.head.skip_tokens)
     try:
         return check(fast=encoder.runner, reference=EagerRunner(ref.model, head, device=encoder.device),
                      batches=batches, rows=len(texts), tolerance=tolerance,
