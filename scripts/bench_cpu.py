@@ -109,8 +109,10 @@ def matmul_rate(dtype, *, m: int = 8192, k: int = 384, n: int = 1536, seconds: f
     import torch
 
     a, w, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+    from embedpipe.runtime.cpu import onednn_linear_works
+
     ways = {"torch": lambda: torch.nn.functional.linear(a, w, b)}
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if onednn_linear_works(dtype):  # bfloat16 has no oneDNN kernel on an AVX2-only CPU
         ways["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w, b, "none", [], "")
     rates = {}
     for name, f in ways.items():
@@ -161,7 +163,8 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
     extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
     if ablation == "sdpa":
         extra["attention"] = "sdpa"
-    with mock.patch.object(cpu, "onednn_linear_works", lambda: ablation != "mkl"):
+    real = cpu.onednn_linear_works
+    with mock.patch.object(cpu, "onednn_linear_works", lambda *dtype: ablation != "mkl" and real(*dtype)):
         encoder = Encoder(EncoderSettings(model_path=model_dir, dtype=dtype, threads=args.threads, **extra))
     return encoder.embed
 

@@ -141,7 +141,7 @@ def _matmuls(kind: str, dtype) -> list:
     if kind == "cpu":
         from embedpipe.runtime.cpu import ONEDNN_DTYPES, onednn_linear_works
 
-        if dtype in ONEDNN_DTYPES and onednn_linear_works():
+        if dtype in ONEDNN_DTYPES and onednn_linear_works(dtype):
             op = torch.ops.mkldnn._linear_pointwise
             found.append(lambda a, b: op(a, b, None, "none", [], ""))  # a @ b^T: same FLOPs, same shapes
     return found

@@ -97,13 +97,13 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # float16 has no fast path on t
 
 def use_onednn_linears(model: nn.Module) -> int:
     """Swap every float32 / bfloat16 nn.Linear under ``model`` for a OneDNNLinear when torch has the op and it
-    agrees with F.linear on a probe; returns how many were swapped (0: left as it was)."""
-    if not onednn_linear_works():
-        return 0
+    agrees with F.linear on a probe in that dtype (bfloat16 needs a CPU oneDNN has a bf16 kernel for: an
+    AVX2-only CPU has none); returns how many were swapped (0: left as it was)."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype in ONEDNN_DTYPES and child.weight.device.type == "cpu":
+            if (type(child) is nn.Linear and child.weight.dtype in ONEDNN_DTYPES and child.weight.device.type == "cpu"
+                    and onednn_linear_works(child.weight.dtype)):
                 setattr(parent, name, OneDNNLinear(child))
                 swapped += 1
     log.info("CPU matmuls through oneDNN: %d linear layers", swapped)
@@ -111,14 +111,17 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 
 @functools.cache
-def onednn_linear_works() -> bool:
+def onednn_linear_works(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether torch's oneDNN linear op runs here in ``dtype`` and agrees with F.linear on a probe."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if op is None:
+    if op is None or dtype not in ONEDNN_DTYPES:
         return False
     g = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(64, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    x, w, b = (t.to(dtype) for t in (torch.randn(64, 96, generator=g), torch.randn(80, 96, generator=g),
+                                     torch.randn(80, generator=g)))
     try:
         got = op(x, w, b, "none", [], "")
-    except RuntimeError:
+    except RuntimeError:  # e.g. bfloat16 on a CPU without AVX-512 BF16 / AMX: no primitive to create
         return False
-    return bool(torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(got.float(), F.linear(x, w, b).float(), atol=tol, rtol=tol))
