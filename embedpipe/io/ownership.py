@@ -1,0 +1,143 @@
+"""What embedpipe may touch: only output folders it created, and inside them only what it wrote.
+
+An output folder carries a marker, ``<output.path>/.embedpipe-output`` (JSON: what made it, when,
+and whether it is a versioned root or one run's output). A run writes into a folder only when it
+is new, empty, or marked (an output of an earlier embedpipe without the marker is recognised by
+its ``_manifest/job.json``, or by ``CURRENT`` naming a version of its own, and marked then). A
+non-empty folder without it is refused before anything is written there, the lock file included.
+
+Inside a marked folder, cleanup and ``--overwrite`` remove only the names embedpipe writes
+(``OWNED``), never a symbolic link's target: an output whose own folders (``vectors/``,
+``_manifest/``, ...) are links is refused, since cleaning it would reach outside the output.
+``/``, the home folder and its parents are never an output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+from embedpipe.io.lock import LOCK_NAME
+
+MARKER = ".embedpipe-output"
+MANIFEST = "_manifest"
+# What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
+# removes exactly these, and nothing else in the folder.
+OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet",
+         "quantization.json")
+VERSIONED_OWNED = ("CURRENT", "versions")
+# Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
+CLEANED_DIRS = ("vectors", MANIFEST, f"{MANIFEST}/units", f"{MANIFEST}/skipped", "index", "versions")
+# The temporary names of embedpipe's temp-then-rename writes: `.<name>.<pid>.tmp` and `<name>.tmp`.
+TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
+
+
+class ManifestMismatch(RuntimeError):
+    """The output path holds another job's output."""
+
+
+class OutputNotOwned(ManifestMismatch):
+    """output.path is a folder embedpipe did not create (or reaches outside itself): nothing is touched."""
+
+
+def check_output(root: str | Path) -> None:
+    """Refuse an output path embedpipe must not write into; reads only, writes nothing."""
+    root = Path(root)
+    _refuse_special(root)
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise OutputNotOwned(f"output.path {root} exists and is not a folder: choose a new output.path")
+    for name in CLEANED_DIRS:
+        path = root / name
+        if path.is_symlink():
+            raise OutputNotOwned(
+                f"{path} is a symbolic link (to {os.readlink(path)}): embedpipe writes and cleans only inside its "
+                f"output folder; replace the link with a real folder, or point output.path elsewhere")
+    if _marked(root) or _legacy_output(root):
+        return
+    foreign = sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME)
+    if not foreign:
+        return
+    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+    raise OutputNotOwned(
+        f"{root} is not empty and was not created by embedpipe (found: {shown}; without a manifest or the {MARKER} "
+        f"marker): embedpipe writes only into new or empty folders and its own outputs, and never deletes what it "
+        f"did not write; choose a new or empty output.path")
+
+
+def claim_output(root: str | Path, *, kind: str) -> None:
+    """Check the folder, create it if needed, and mark it as an embedpipe output (``kind``: run|versioned)."""
+    root = Path(root)
+    check_output(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if _marked(root):
+        return
+    from embedpipe.io.manifest import atomic_write
+
+    marker = {"embedpipe": _version(), "kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    atomic_write(root / MARKER, json.dumps(marker, indent=1).encode())
+
+
+def is_output(folder: Path) -> bool:
+    """Whether ``folder`` is an embedpipe output (marked, or an earlier embedpipe's with a manifest or VALIDATED)."""
+    return _marked(folder) or (folder / MANIFEST / "job.json").is_file() or (folder / "VALIDATED").is_file()
+
+
+def remove_owned(root: Path, names: tuple[str, ...]) -> None:
+    """Remove these top-level entries of a marked output: a link itself, never what it points to."""
+    for name in names:
+        path = root / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)  # does not follow links inside the tree
+
+
+def sweep_temporaries(root: Path) -> list[Path]:
+    """Remove embedpipe's leftover temporary files (a killed write's ``.tmp``) from an output's folders."""
+    removed = []
+    for folder in (root, *(root / name for name in CLEANED_DIRS if name != "versions")):
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for path in folder.iterdir():
+            if TEMPORARY.match(path.name) and path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("embedpipe")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
+def _marked(root: Path) -> bool:
+    return (root / MARKER).is_file() and not (root / MARKER).is_symlink()
+
+
+def _legacy_output(root: Path) -> bool:
+    """An output written by embedpipe before the marker existed."""
+    if (root / MANIFEST / "job.json").is_file():
+        return True
+    current = root / "CURRENT"
+    if current.is_file():
+        version = current.read_text().strip()
+        return bool(version) and "/" not in version and is_output(root / "versions" / version)
+    return False
+
+
+def _refuse_special(root: Path) -> None:
+    resolved = root.expanduser().resolve()
+    home = Path.home().resolve()
+    if resolved == Path(resolved.anchor) or resolved == home or resolved in home.parents:
+        raise OutputNotOwned(f"output.path {root} is {'the home folder' if resolved == home else 'a system folder'}: "
+                             f"embedpipe never writes there; choose a folder of its own, e.g. {home / 'embedpipe-out'}")
