@@ -252,3 +252,90 @@ def test_run_records_the_model_folder(finished, models):
     job = json.loads((finished / "_manifest" / "job.json").read_text())
     assert job["model_dir"] == str(models[0].resolve()) and len(job["model"]) == 64
     assert os.path.isfile(finished / MARKER)
+
+
+# --------------------------------------------------------------------------- crashes that must keep holding
+
+def _write_state(out: Path, state: str) -> str:
+    """Leave ``out`` as a worker SIGKILLed at one of its four write points leaves it; returns that unit."""
+    import pyarrow as pa
+
+    record = sorted((out / "_manifest" / "units").glob("*.json"))[-1]
+    unit = record.stem
+    part = out / "vectors" / f"part-{unit}.parquet"
+    record.unlink()  # in every state the unit's record was never written
+    if state == "part half written":
+        part.rename(part.with_name(f".{part.name}.4242.tmp"))
+        tmp = part.with_name(f".{part.name}.4242.tmp")
+        tmp.write_bytes(tmp.read_bytes()[:100])
+    elif state == "skipped rows written":
+        skipped = out / "_manifest" / "skipped" / f"{unit}.parquet"
+        skipped.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"id": ["ghost"], "reason": ["empty text"]}), skipped)
+    elif state == "record half written":
+        (out / "_manifest" / "units" / f".{unit}.json.4242.tmp").write_text('{"unit_id": "')
+    return unit  # "part renamed": the part is in place, nothing else
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("state", ["part half written", "part renamed", "skipped rows written", "record half written"])
+def test_resume_after_a_worker_killed_at_each_write_point(tmp_path, finished, models, corpus, state):
+    out = _copy(finished, tmp_path)
+    want = _vectors(out)
+    unit = _write_state(out, state)
+    result = _run(_job(tmp_path, corpus=corpus, model=models[0], out=out))
+    assert result.exit_code == 0, result.output
+    got = _vectors(out)
+    assert len(got) == ROWS and set(got) == set(want)  # exactly once
+    np.testing.assert_allclose(np.stack([got[i] for i in want]), np.stack(list(want.values())), atol=2e-6)
+    assert not (out / "skipped.parquet").exists() and not (out / "_manifest" / "skipped" / f"{unit}.parquet").exists()
+    assert not any(p.name.endswith(".tmp") for p in out.rglob("*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs of its own (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount(8) for a small tmpfs")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_disk_full_then_resume(tmp_path, finished, small_disk, models, corpus):
+    import subprocess
+
+    out = small_disk / "out"
+    ballast = small_disk / "ballast"
+    part_bytes = max(p.stat().st_size for p in (finished / "vectors").glob("*.parquet"))
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    ballast.write_bytes(b"\0" * (free - 8 * 4096 - part_bytes))  # room for the run's small files and one part
+    failed = _run(_job(tmp_path, corpus=corpus, model=models[0], out=out))
+    assert failed.exit_code == 4
+    print(_error_line(failed))
+    assert len(list((out / "_manifest" / "units").glob("*.json"))) >= 1  # it failed mid-run, not at the start
+    ballast.unlink()  # the operator frees space and reruns the same command
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    resumed = _run(_job(tmp_path, corpus=corpus, model=models[0], out=out))
+    assert resumed.exit_code == 0, resumed.output
+    assert _vectors(out).keys() == _vectors(finished).keys() and len(_vectors(out)) == ROWS
+
+
+@pytest.mark.slow
+def test_a_read_only_output_fails_with_one_line(tmp_path, finished, small_disk, models, corpus):
+    import subprocess
+
+    out = small_disk / "out"
+    shutil.copytree(finished, out)
+    (sorted((out / "_manifest" / "units").glob("*.json"))[-1]).unlink()
+    before = _tree(out)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    result = _run(_job(tmp_path, corpus=corpus, model=models[0], out=out))
+    assert result.exit_code == 4
+    assert "Read-only file system" in _error_line(result)
+    assert _tree(out) == before
