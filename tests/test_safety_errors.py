@@ -92,6 +92,14 @@ def test_module_type_must_be_a_sentence_transformers_name(tmp_path, corpus, mode
     assert "sentence_transformers.models.Pooling" in line  # names what is accepted
 
 
+def test_bad_module_with_model_options_set_is_refused_without_a_traceback(tmp_path, corpus, model_dir):
+    """output.dim / model.prompt_name read the model while the job loads: a bad module is still one line."""
+    _edit_json(model_dir / "modules.json", lambda modules: modules.append(
+        {"idx": 3, "name": "3", "path": "", "type": "custom.Evil"}))
+    line = _cli("validate", str(_job(tmp_path, corpus, model=str(model_dir))), "--set", "output.dim=64")
+    assert "module '3' of type 'custom.Evil' is not supported" in line
+
+
 def test_module_types_sentence_transformers_writes_are_accepted(tmp_path):
     """Every spelling we accept imports, in the installed sentence-transformers, as the class it names."""
     st_misc = pytest.importorskip("sentence_transformers.util.misc")
