@@ -325,8 +325,7 @@ def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
     key = key.strip()
     parts = key.split(".")
     if not sep and len(parts) == 2 and all(parts):
-        raise JobError("--set", f"{item!r} has no value", f"write --set {key}=VALUE",
-                       source=source)
+        raise JobError("--set", f"{item!r} has no value", f"write --set {key}=VALUE", source=source)
     if not sep or len(parts) != 2 or not all(parts):
         fix = "write e.g. --set output.path=/tmp/out"
         if parts[0] in SECTIONS and len(parts) == 1:  # `--set model=3`: a whole section

@@ -106,6 +106,13 @@ def test_join_a_cluster_without_token_auth_while_a_token_exists(plain_head, how)
     assert run.returncode == 0 and run.stdout.strip().endswith("pong"), run.stdout + run.stderr[-3000:]
 
 
+def test_join_a_token_cluster_without_a_token_names_the_fix(tmp_path, ray_head):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # no ~/.ray/auth_token
+    run = subprocess.run([sys.executable, "-c", JOIN, ray_head], capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode != 0 and "requires token auth and this machine has no Ray token" in run.stderr, run.stderr
+
+
 def test_run_joins_an_existing_cluster(tmp_path, ray_head, quickstart_table):
     job = write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART), "unit_rows": 1000},
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"},

@@ -52,10 +52,12 @@ def _use_token_if_available(address: str) -> str:
     because Ray itself switches token mode on for ``auto`` whenever a token exists. An explicit
     ``RAY_AUTH_MODE`` is always respected.
     """
-    if "RAY_AUTH_MODE" in os.environ or not _token_available():
+    if "RAY_AUTH_MODE" in os.environ:
         return address
-    if address.startswith("ray://"):  # Ray Client: its server is not probed; the token is sent, as before
-        _token_mode()
+    have_token = _token_available()
+    if address.startswith("ray://"):  # Ray Client: its server is not probed; a token is sent when there is one
+        if have_token:
+            _token_mode()
         return address
     from ray._private.services import canonicalize_bootstrap_address
 
@@ -63,9 +65,14 @@ def _use_token_if_available(address: str) -> str:
         head = canonicalize_bootstrap_address(address)  # `auto` / RAY_ADDRESS -> host:port
     except (ConnectionError, ValueError):
         return address  # no head found: ray.init reports it in its own words
-    if head is not None and _asks_for_token(head):
-        _token_mode()
-    return head or address
+    if head is None or not _asks_for_token(head):
+        return head or address
+    if not have_token:
+        raise ConnectionError(
+            f"the Ray cluster at {head} requires token auth and this machine has no Ray token: set RAY_AUTH_TOKEN, "
+            f"or copy the head's ~/.ray/auth_token here (or point RAY_AUTH_TOKEN_PATH at it)")
+    _token_mode()
+    return head
 
 
 def _token_available() -> bool:
