@@ -79,19 +79,19 @@ def run(job_file: JobFile, set_: SetOpt = None,
 def validate(job_file: JobFile, set_: SetOpt = None) -> None:
     """Check a job file, its input files and its model without running it."""
     job = _load(job_file, set_)
+    from embedpipe.config import JobError
     from embedpipe.preflight import ModelError, preflight
     from embedpipe.units import InputError
 
     try:
         plan = preflight(job)
-    except ModelError as exc:
+    except (ModelError, JobError) as exc:  # JobError: the output refutes the job (CURRENT names no version)
         raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
         raise _fail(exc, EXIT_BAD_INPUT) from None
     rows = sum(u.num_rows for u in plan.units)
     typer.echo(f"ok: {job.name}: {len(plan.units)} units, {rows:,} rows; model {plan.model_dir}")
     if job.output.format != "parquet":
-        from embedpipe.config import JobError
         from embedpipe.index.plan import describe_plan, plan_index
 
         try:

@@ -12,7 +12,9 @@ Errors name the field, the bad value and the fix:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -320,21 +322,60 @@ def load_job(path: str | os.PathLike, *, overrides: list[str] | None = None) -> 
 def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
     """Apply one ``section.field=value`` override in place; the value is parsed as YAML."""
     key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep and len(parts) == 2 and all(parts):
+        raise JobError("--set", f"{item!r} has no value", f"write --set {key}=VALUE", source=source)
     if not sep or len(parts) != 2 or not all(parts):
-        raise JobError("--set", f"{item!r} is not of the form section.field=value",
-                       "write e.g. --set output.path=/tmp/out", source=source)
+        fix = "write e.g. --set output.path=/tmp/out"
+        if parts[0] in SECTIONS and len(parts) == 1:  # `--set model=3`: a whole section
+            fix = f"set one field at a time, e.g. --set {key}.{dataclasses.fields(SECTIONS[key])[0].name}=..."
+        raise JobError("--set", f"{item!r} is not of the form section.field=value", fix, source=source)
     section, name = parts
     if section not in SECTIONS:
         raise JobError(key, f"unknown section {section!r}", f"use one of {', '.join(SECTIONS)}", source=source)
-    value = yaml.safe_load(text) if text.strip() else ""
+    value = _override_value(key, text, source=source)
     f = _field(SECTIONS[section], name)
+    if f is not None:  # an unknown field is named by parse_job, with the closest match
+        _check_override(key, text, value, typing.get_type_hints(SECTIONS[section])[name], source=source)
     if f is not None and f.metadata["path"] and isinstance(value, str) and value:
         value = _resolve(value, Path.cwd(), hub_name=_keeps_names(f, raw.get(section)))
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise JobError(section, "must be a mapping", f"write `{section}:` followed by indented fields", source=source)
     raw[section][name] = value
+
+
+_QUOTE_HINT = "a --set value is read as YAML: quote a string that YAML would read otherwise"
+
+
+def _override_value(key: str, text: str, *, source: str) -> Any:
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise JobError(key, f"{text!r} is not a YAML value ({problem})",
+                       f"{_QUOTE_HINT}, e.g. --set '{key}=\"{text}\"'", source=source) from None
+
+
+def _check_override(key: str, text: str, value: Any, tp: Any, *, source: str) -> None:
+    """Type-check a --set value here, so that the fix can say how to write it on a command line."""
+    try:
+        _coerce(value, tp, key, source)
+    except JobError as exc:
+        fix = exc.fix
+        if isinstance(value, (dict, list, bool)) and _accepts_str(tp):  # `model.prompt=query: ` read as a mapping
+            fix = f"{exc.fix}; {_QUOTE_HINT}, e.g. --set '{key}=\"{text}\"'"
+        raise JobError(key, exc.problem, fix, source=source) from None
+
+
+def _accepts_str(tp: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts_str(a) for a in args)
+    return tp is str
 
 
 def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") -> JobSpec:
@@ -377,6 +418,8 @@ def _parse_section(section: str, cls: type, raw: Any, source: str) -> Any:
         where = f"{section}.{name}"
         if name in raw:
             values[name] = _coerce(raw[name], hints[name], where, source)
+            if f.metadata["path"] and values[name] == "":
+                raise JobError(where, "is empty", f"set {where} to a path", source=source)
         elif f.default is REQUIRED:
             raise JobError(where, "is required", f"set {where} in the job file or with --set {where}=...", source=source)
     obj = cls(**values)
@@ -410,11 +453,13 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
         if isinstance(value, bool):
             return value
     elif tp is int:
+        value = _number(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():  # `1e6` in YAML
+        if isinstance(value, float) and value.is_integer():  # `1e6`
             return int(value)
     elif tp is float:
+        value = _number(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif tp is str:
@@ -429,6 +474,17 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
     else:  # pragma: no cover - a schema annotation this function does not know
         raise TypeError(f"unsupported schema type {tp!r} at {where}")
     raise JobError(where, f"{value!r} is not {_describe(tp)}", f"set {where} to {_describe(tp)}", source=source)
+
+
+_EXPONENT = re.compile(r"[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+")
+
+
+def _number(value: Any) -> Any:
+    """`1e6` as a number: YAML 1.1 (PyYAML) reads an exponent without a dot as a string."""
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        number = float(value)
+        return number if math.isfinite(number) else value
+    return value
 
 
 def _describe(tp: Any) -> str:
@@ -469,13 +525,16 @@ def _check_model_options(job: JobSpec, source: str) -> None:
         root = resolve_model_path(m.path)
     except ModelNotFound:
         return  # `validate` and the run report the missing model itself
-    spec = read_st_spec(root)
+    try:
+        spec = read_st_spec(root)
+        dim = model_dim(root, spec)
+    except (ValueError, OSError):
+        return  # an unusable model directory: preflight names the file and the fix (exit 2)
     try:
         resolve_prompt(spec, prompt=m.prompt, prompt_name=m.prompt_name)
     except ValueError as exc:
         raise JobError("model.prompt_name", str(exc), "set model.prompt_name to one of them, "
                        "or a literal prefix in model.prompt", source=source) from None
-    dim = model_dim(root, spec)
     if o.dim is not None and o.dim > dim:
         raise JobError("output.dim", f"{o.dim} exceeds the model's dimension {dim}",
                        f"set output.dim to at most {dim}, or null for all of them", source=source)

@@ -8,13 +8,14 @@ job fails in seconds instead of after an hour of encoding.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from embedpipe.config import JobSpec
+from embedpipe.config import JobError, JobSpec
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.units import InputError, Unit
 
@@ -34,6 +35,8 @@ class Plan:
 
 
 def preflight(job: JobSpec) -> Plan:
+    if job.output.versioned:
+        check_current(Path(job.output.path))
     inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
@@ -60,6 +63,7 @@ def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
                       ("tokenizer.json", "save the fast tokenizer there (AutoTokenizer.save_pretrained)")):
         if not (weights_dir / name).is_file():
             raise ModelError(f"model.path: {weights_dir} has no {name}: {fix}")
+    check_model_type(weights_dir / "config.json")
     if not any(weights_dir.glob("*.safetensors")):
         pickles = sorted(p.name for p in weights_dir.glob("pytorch_model*.bin"))
         if not pickles:
@@ -70,6 +74,42 @@ def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
                              f"them to safetensors, or set model.allow_pickle: true to load them with "
                              f"torch.load(weights_only=True)")
     return model_dir
+
+
+def check_model_type(config_path: Path) -> None:
+    """config.json's model_type must be one embedpipe implements (else every worker would fail loading it)."""
+    from embedpipe.models.registry import model_class
+
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, OSError) as exc:
+        raise ModelError(f"model.path: {config_path} is not readable JSON ({exc}): copy the model's config.json "
+                         f"into the directory again") from None
+    try:
+        model_class(config.get("model_type") if isinstance(config, dict) else None)
+    except ValueError as exc:
+        raise ModelError(f"model.path: {config_path.parent}: {exc}") from None
+
+
+def check_current(root: Path) -> None:
+    """A versioned output's CURRENT (written by a run, or by hand for a rollback) must name a validated version."""
+    from embedpipe.versions import CURRENT, VALIDATED, VERSIONS, current_version
+
+    run_id = current_version(root)
+    if run_id is None:
+        return  # first run, or no CURRENT: a new version is made
+    folder = root / VERSIONS / run_id
+    if Path(run_id).name == run_id and (folder / VALIDATED).is_file():
+        return
+    problem = "does not exist" if not folder.is_dir() else "is not VALIDATED (an unfinished or failed run)"
+    folders = sorted((p for p in (root / VERSIONS).iterdir() if p.is_dir()), reverse=True) \
+        if (root / VERSIONS).is_dir() else []
+    good = [p.name for p in folders if (p / VALIDATED).is_file()]
+    listed = ", ".join(good[:MAX_LISTED]) + (f" and {len(good) - MAX_LISTED} older" if len(good) > MAX_LISTED else "")
+    fix = (f"write one of them into CURRENT (echo {good[0]} > CURRENT.tmp && mv CURRENT.tmp CURRENT), or remove "
+           f"CURRENT to build a new version from scratch") if good else "remove CURRENT to build a new version from scratch"
+    raise JobError("output.path", f"{root / CURRENT} names run id {run_id!r}, but {folder} {problem}; validated "
+                   f"versions: {listed or 'none'}", fix)
 
 
 def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str,

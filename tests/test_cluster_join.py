@@ -59,6 +59,60 @@ def _stop_head(temp: str) -> None:
         time.sleep(1)
 
 
+JOIN = """
+import os, sys
+import ray
+from embedpipe.cluster.connect import connect
+from embedpipe.config import ClusterConfig
+
+@ray.remote(num_cpus=1)
+class Echo:
+    def ping(self):
+        return "pong"
+
+connect(ClusterConfig(address=sys.argv[1]))
+print(ray.get(Echo.remote().ping.remote(), timeout=60))
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_head(tmp_path_factory):
+    """A head without token auth, on a machine whose user has a Ray token (~/.ray/auth_token)."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(TOKEN)
+    port, temp = _free_port(), f"/tmp/ep_plain_head_{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env |= {"HOME": str(home), "RAY_AUTH_MODE": "disabled"}  # `ray start` would turn token auth on by itself
+    cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+           "--num-cpus=1", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+           f"--temp-dir={temp}", "--disable-usage-stats"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)
+        yield f"127.0.0.1:{port}", home
+    finally:
+        _stop_head(temp)
+
+
+@pytest.mark.parametrize("how", ["address", "auto"])
+def test_join_a_cluster_without_token_auth_while_a_token_exists(plain_head, how):
+    address, home = plain_head
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env |= {"HOME": str(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if how == "auto":  # `address: auto` finds the head through RAY_ADDRESS, as on a cluster node
+        env["RAY_ADDRESS"] = address
+    run = subprocess.run([sys.executable, "-c", JOIN, address if how == "address" else "auto"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode == 0 and run.stdout.strip().endswith("pong"), run.stdout + run.stderr[-3000:]
+
+
+def test_join_a_token_cluster_without_a_token_names_the_fix(tmp_path, ray_head):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # no ~/.ray/auth_token
+    run = subprocess.run([sys.executable, "-c", JOIN, ray_head], capture_output=True, text=True, timeout=180, env=env)
+    assert run.returncode != 0 and "requires token auth and this machine has no Ray token" in run.stderr, run.stderr
+
+
 def test_run_joins_an_existing_cluster(tmp_path, ray_head, quickstart_table):
     job = write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART), "unit_rows": 1000},
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"},

@@ -26,8 +26,8 @@ def connect(cfg: ClusterConfig) -> bool:
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if cfg.address:
-        _use_token_if_available()
-        ray.init(address=cfg.address, logging_level=logging.WARNING, log_to_driver=True)
+        address = _use_token_if_available(cfg.address)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     else:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
@@ -37,25 +37,74 @@ def connect(cfg: ClusterConfig) -> bool:
     return True
 
 
-def _use_token_if_available() -> None:
-    """Send Ray's auth token when joining a cluster, as the cluster's own processes do.
+PROBE_SECONDS = 10.0  # how long the join waits for the head's answer to "do you ask for a token?"
 
-    A cluster started with `ray start` enables token auth when this machine has a token
-    (``~/.ray/auth_token``, ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), but a client that
-    joins by address does not send it unless ``RAY_AUTH_MODE=token``: the join then fails with
-    InvalidAuthToken. A token sent to a cluster without auth is ignored, so sending it is safe.
+
+def _use_token_if_available(address: str) -> str:
+    """Send Ray's auth token to a cluster that asks for one, and only then; returns the address to join.
+
+    `ray start` turns token auth on when its machine has a token (``~/.ray/auth_token``,
+    ``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), but a client joining by address sends its token
+    only with ``RAY_AUTH_MODE=token``; without it the join fails with InvalidAuthToken. A client in
+    token mode on a cluster without auth fails too: its actors are cancelled before they start.
+    So the head is asked first, with one unauthenticated call (GetClusterId): UNAUTHENTICATED means
+    it wants the token. ``auto`` is resolved to the head's address here, as Ray would resolve it,
+    because Ray itself switches token mode on for ``auto`` whenever a token exists. An explicit
+    ``RAY_AUTH_MODE`` is always respected.
     """
     if "RAY_AUTH_MODE" in os.environ:
-        return
-    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
-        os.environ["RAY_AUTH_MODE"] = "token"
-        try:  # Ray reads its config when imported: refresh it, as ray.init does for local clusters
-            from ray._raylet import Config
+        return address
+    have_token = _token_available()
+    if address.startswith("ray://"):  # Ray Client: its server is not probed; a token is sent when there is one
+        if have_token:
+            _token_mode()
+        return address
+    from ray._private.services import canonicalize_bootstrap_address
 
-            Config.initialize("")
-        except (ImportError, AttributeError):  # older Ray without token auth
-            pass
+    try:
+        head = canonicalize_bootstrap_address(address)  # `auto` / RAY_ADDRESS -> host:port
+    except (ConnectionError, ValueError):
+        return address  # no head found: ray.init reports it in its own words
+    if head is None or not _asks_for_token(head):
+        return head or address
+    if not have_token:
+        raise ConnectionError(
+            f"the Ray cluster at {head} requires token auth and this machine has no Ray token: set RAY_AUTH_TOKEN, "
+            f"or copy the head's ~/.ray/auth_token here (or point RAY_AUTH_TOKEN_PATH at it)")
+    _token_mode()
+    return head
+
+
+def _token_available() -> bool:
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(token_file)
+
+
+def _asks_for_token(head: str) -> bool:
+    """True when the head refuses an unauthenticated call; False when it answers or cannot be reached."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel  # TLS as configured, no token (mode not set yet)
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = init_grpc_channel(head)
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+            gcs_service_pb2.GetClusterIdRequest(), timeout=PROBE_SECONDS)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        channel.close()
+    return False
+
+
+def _token_mode() -> None:
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:  # Ray reads its config when imported: refresh it, as ray.init does for local clusters
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # older Ray without token auth
+        pass
 
 
 def plan_workers(cfg: ClusterConfig) -> WorkerPlan:

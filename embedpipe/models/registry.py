@@ -24,10 +24,12 @@ def register(*model_types: str) -> Callable[[M], M]:
     return deco
 
 
-def model_class(model_type: str) -> type[nn.Module]:
-    try:
+def model_class(model_type: str | None) -> type[nn.Module]:
+    """The class registered for config.json's ``model_type``; the error names the supported ones and the fix."""
+    if model_type in MODEL_REGISTRY:
         return MODEL_REGISTRY[model_type]
-    except KeyError:
-        raise ValueError(
-            f"config.json model_type {model_type!r} is not supported; embedpipe implements {sorted(MODEL_REGISTRY)}"
-        ) from None
+    problem = "has no model_type" if model_type is None else f"model_type {model_type!r} is not supported"
+    raise ValueError(
+        f"config.json {problem}; embedpipe implements {', '.join(sorted(MODEL_REGISTRY))}: use a model of one of "
+        f"these architectures (a fine-tune keeps its base model's model_type), or add an encoder for it with "
+        f"@register in embedpipe/models")

@@ -39,6 +39,22 @@ DENSE_ACTIVATIONS: dict[str, str] = {
 }
 
 
+# modules.json "type" -> the module we implement: exactly the names sentence-transformers writes
+# (v2-v5: the re-exported `sentence_transformers.models.X`; v5.4+ / v6: the defining module + class)
+# and imports back; a look-alike such as `evil.Pooling` names code of someone else's.
+MODULE_TYPES: dict[str, str] = {
+    "sentence_transformers.models.Transformer": "Transformer",
+    "sentence_transformers.models.Pooling": "Pooling",
+    "sentence_transformers.models.Dense": "Dense",
+    "sentence_transformers.models.Normalize": "Normalize",
+    "sentence_transformers.base.modules.transformer.Transformer": "Transformer",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling": "Pooling",
+    "sentence_transformers.base.modules.dense.Dense": "Dense",
+    "sentence_transformers.base.modules.normalize.Normalize": "Normalize",
+    "sentence_transformers.sentence_transformer.modules.normalize.Normalize": "Normalize",  # v5.4-v5.x
+}
+
+
 @dataclass(frozen=True)
 class DenseSpec:
     in_features: int
@@ -66,9 +82,17 @@ def _json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _kind(module_type: str) -> str:
-    """'sentence_transformers.models.Pooling' / '...modules.pooling.Pooling' -> 'Pooling'."""
-    return module_type.rsplit(".", 1)[-1]
+def _kind(module: dict[str, Any], root: Path) -> str:
+    """The module's kind from its exact type name; any other name is refused, however it ends."""
+    type_name = module.get("type")
+    if type_name not in MODULE_TYPES:
+        raise ValueError(
+            f"{root}/modules.json: module {module.get('name', module.get('idx'))!r} of type {type_name!r} is not "
+            f"supported: embedpipe runs only sentence-transformers' own Transformer, Pooling, Dense and Normalize "
+            f"modules, named exactly as sentence-transformers writes them (e.g. 'sentence_transformers.models.Pooling'; "
+            f"all names: embedpipe.models.st.MODULE_TYPES); use a model whose modules.json lists only these, or "
+            f"remove the module if the model works without it")
+    return MODULE_TYPES[type_name]
 
 
 def _pooling(cfg: dict[str, Any], where: Path) -> str:
@@ -123,7 +147,7 @@ def read_st_spec(path: str | Path, *, allow_pickle: bool = False) -> STSpec:
     modules = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else []
     pooling, normalize, dense, include_prompt, transformer_dir = None, False, [], True, ""
     for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind, folder = _kind(module["type"]), root / module.get("path", "")
+        kind, folder = _kind(module, root), root / module.get("path", "")
         if kind == "Transformer":
             transformer_dir = module.get("path", "")
         elif kind == "Pooling":
@@ -131,10 +155,8 @@ def read_st_spec(path: str | Path, *, allow_pickle: bool = False) -> STSpec:
             pooling, include_prompt = _pooling(cfg, folder), cfg.get("include_prompt", True)
         elif kind == "Dense":
             dense.append(_dense(folder, allow_pickle=allow_pickle))
-        elif kind == "Normalize":
+        else:  # Normalize
             normalize = True
-        else:
-            raise ValueError(f"{root}/modules.json: module type {module['type']!r} is not supported")
     sbert = _json(root / transformer_dir / "sentence_bert_config.json")
     st_cfg = _json(root / "config_sentence_transformers.json")
     return STSpec(
