@@ -51,8 +51,8 @@ class RunResult:
 
 def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
     """Run a job to completion (resuming its own unfinished output); one live run per output path."""
+    check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
     plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
-    check_output(job.output.path)  # a folder embedpipe did not create: refused before the lock file is written
     with OutputLock(job.output.path):
         if job.output.versioned:
             return _run_versioned(job, plan, progress=progress, overwrite=overwrite)

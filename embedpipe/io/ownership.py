@@ -3,7 +3,7 @@
 An output folder carries a marker, ``<output.path>/.embedpipe-output`` (JSON: what made it, when,
 and whether it is a versioned root or one run's output). A run writes into a folder only when it
 is new, empty, or marked (an output of an earlier embedpipe without the marker is recognised by
-its ``_manifest/job.json``, or by ``CURRENT`` naming a version of its own, and marked then). A
+its ``_manifest/job.json``, or by ``CURRENT`` beside a version folder of its own, and marked then). A
 non-empty folder without it is refused before anything is written there, the lock file included.
 
 Inside a marked folder, cleanup and ``--overwrite`` remove only the names embedpipe writes
@@ -60,7 +60,7 @@ def check_output(root: str | Path) -> None:
                 f"output folder; replace the link with a real folder, or point output.path elsewhere")
     if _marked(root) or _legacy_output(root):
         return
-    foreign = sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME)
+    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(LOCK_NAME))  # the lock's own files
     if not foreign:
         return
     shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -125,14 +125,12 @@ def _marked(root: Path) -> bool:
 
 
 def _legacy_output(root: Path) -> bool:
-    """An output written by embedpipe before the marker existed."""
+    """An output written by embedpipe before the marker existed: its manifest, or a version folder of its own."""
     if (root / MANIFEST / "job.json").is_file():
         return True
-    current = root / "CURRENT"
-    if current.is_file():
-        version = current.read_text().strip()
-        return bool(version) and "/" not in version and is_output(root / "versions" / version)
-    return False
+    versions = root / "versions"
+    return (root / "CURRENT").is_file() and versions.is_dir() and any(
+        p.is_dir() and is_output(p) for p in versions.iterdir())
 
 
 def _refuse_special(root: Path) -> None:
