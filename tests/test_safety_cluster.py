@@ -183,7 +183,7 @@ def test_lost_last_node_fails_naming_the_resources(tmp_path, corpus):
     answer = _run_on_cluster(tmp_path, folder, nodes=1, workers=1)
     assert answer["exit_code"] == 4, answer["output"] + answer["stderr"][-3000:]
     assert "no worker could be placed for 5 s: the cluster has 0 CPUs / 0 GPUs free" in answer["output"]
-    assert "each worker needs 1 CPU" in answer["output"] and "cluster.cpus_per_worker" in answer["output"]
+    assert "each worker needs 1 CPU (cluster.cpus_per_worker=1)" in answer["output"]
 
 
 def _main(job_file: str, nodes: int) -> None:

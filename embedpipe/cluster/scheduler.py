@@ -232,11 +232,13 @@ class Scheduler:
             self._queue.appendleft(slot.unit)
             slot.ref = slot.unit = None
         left = sum(s.actor is not None for s in self._slots)
-        log.warning("worker %d given up: Ray could not place it within %g s (%s); going on with %d worker(s)",
+        log.warning("worker %d given up: Ray could not place it within %g s (%s); %d worker(s) left",
                     slot.index, self.liveness.placement_timeout_s, self._free_text(), left)
 
     def _no_worker_message(self) -> str:
-        needs = " and ".join(f"{v:g} {k}" for k, v in self.resources.items() if v) or "its resources"
+        cpus, gpus = self.resources.get("CPU", 0), self.resources.get("GPU", 0)
+        needs = (f"{cpus:g} CPU (cluster.cpus_per_worker={cpus:g})" + (f" and {gpus:g} GPU" if gpus else "")
+                 if self.resources else "the resources its actor asks for")
         return (f"no worker could be placed for {self.liveness.placement_timeout_s:g} s: {self._free_text()}, each "
                 f"worker needs {needs}; add nodes, or lower cluster.workers or cluster.cpus_per_worker")
 
