@@ -39,7 +39,8 @@ def test_unit_deadline_derivation():
     assert unit_deadline(lv, rows=1000, slowest_s_per_row=0.01) == pytest.approx(40.0)  # scales with the rows
     assert unit_deadline(lv, rows=10, slowest_s_per_row=0.01) == 2.0  # never below the floor
     fixed = replace(lv, unit_timeout_s=7.0)  # the override wins, observed or not
-    assert unit_deadline(fixed, rows=100, slowest_s_per_row=None) == unit_deadline(fixed, rows=9, slowest_s_per_row=1.0) == 7.0
+    assert unit_deadline(fixed, rows=100, slowest_s_per_row=None) == 7.0
+    assert unit_deadline(fixed, rows=9, slowest_s_per_row=1.0) == 7.0
 
 
 def test_liveness_defaults_come_from_the_job_schema():
@@ -82,7 +83,8 @@ def test_other_errors_keep_naming_the_file():
     text = failure_message("unit 00001 (/data/in/a.parquet, rows 0..29)", attempts=3, cause="error",
                            error="FileNotFoundError: [Errno 2] No such file or directory: '/data/in/a.parquet'")
     assert "/data/in/a.parquet" in text and "fix or remove that file" in text and "cluster.on_error: skip_unit" in text
-    stalled = failure_message("unit 00001", attempts=3, cause="timeout", error="its worker did not finish it within 9 s")
+    stalled = failure_message("unit 00001", attempts=3, cause="timeout",
+                              error="its worker did not finish it within 9 s")
     assert "cluster.unit_timeout_s" in stalled and "remove that file" not in stalled
 
 
