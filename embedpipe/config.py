@@ -181,6 +181,10 @@ class OutputConfig:
             raise JobError(f"output.{field}", "needs versioned outputs", "set output.versioned: true")
 
 
+# cluster.unit_timeout_s: null derives a unit's deadline as max(floor, factor x slowest seconds per row x rows)
+UNIT_TIMEOUT_FLOOR_S, UNIT_TIMEOUT_FACTOR = 120.0, 4.0
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     address: str = opt("", "Empty: start an embedded local Ray. `auto` or `ray://host:port` or `host:port`: join a cluster.")
@@ -191,9 +195,26 @@ class ClusterConfig:
     on_error: Literal["fail", "skip_unit"] = opt(
         "fail", "A unit that failed max_attempts times: fail stops the run naming the unit and its file; "
                 "skip_unit leaves it out and lists it under `units.failed_units` in the report.")
+    unit_timeout_s: float | None = opt(
+        None, "A unit not finished this many seconds after its worker took it (the worker's start not counted) is "
+              "given up: the worker is killed, a new one takes its slot and the unit goes back to the queue (an "
+              f"attempt, as a death). null: derived from the units finished so far, max({UNIT_TIMEOUT_FLOOR_S:g} s, "
+              f"{UNIT_TIMEOUT_FACTOR:g} x the slowest finished unit's seconds per row x the unit's rows); before any "
+              "unit has finished, cluster.startup_timeout_s.")
+    startup_timeout_s: float = opt(
+        1800.0, "Seconds a placed worker's start (model load, warmup check) may take, and, with unit_timeout_s null, "
+                "a unit taken before any unit has finished; past it the worker is replaced (an attempt for its unit).")
+    placement_timeout_s: float = opt(
+        60.0, "A new worker that Ray cannot place on a node within this many seconds (no free CPU/GPU, e.g. after "
+              "a node was lost) is given up with a warning: its unit goes to a live worker and the run goes on "
+              "with the workers it has; with none left the run fails (exit 4) naming the free and needed resources.")
 
     def validate(self) -> None:
         _positive(self, "cluster", "max_attempts")
+        for name in ("startup_timeout_s", "placement_timeout_s"):
+            _positive(self, "cluster", name)
+        if self.unit_timeout_s is not None:
+            _positive(self, "cluster", "unit_timeout_s")
         if self.workers is not None:
             _positive(self, "cluster", "workers")
         if self.cpus_per_worker is not None:

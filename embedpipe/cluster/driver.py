@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.connect import connect, plan_workers
-from embedpipe.cluster.scheduler import Scheduler
+from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe import versions
 from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
@@ -121,7 +121,8 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                 make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker,
                                                          incremental=incremental, calibration=calibration),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
-                on_error=job.cluster.on_error)
+                on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
+                resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker})
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with tqdm(total=sum(u.num_rows for u in todo), unit="rows", disable=not progress, desc=job.name,
                       dynamic_ncols=True) as bar:

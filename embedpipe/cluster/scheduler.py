@@ -1,22 +1,37 @@
-"""First-come first-served units over a pool of worker actors, surviving worker deaths.
+"""First-come first-served units over a pool of worker actors, surviving worker deaths and stalls.
 
 A free worker takes the next unit, so a slow worker never holds the rest back. When a worker
 dies (killed, out of memory, its node lost) its unit goes back to the queue and a new actor
 takes its slot; a unit that has killed ``max_attempts`` workers fails the run, or is set aside
 when ``on_error`` is ``skip_unit``. Bad input (``InputError``) is never retried: it would fail
-the same way again.
+the same way again, and neither is a full or read-only disk (every unit would hit it).
+
+Liveness (``Liveness``): the driver never waits on a worker without a bound.
+
+- A unit past its deadline (``unit_deadline``; its clock starts when its worker is ready, so
+  model load never counts) is a stalled worker: it is killed and replaced, the unit requeued
+  (an attempt, as a death).
+- A placed worker whose start (``__init__``: model load, warmup) takes longer than
+  ``startup_timeout_s`` is replaced the same way.
+- A new actor Ray cannot place within ``placement_timeout_s`` (no free CPU/GPU) is given up
+  with a warning; the run goes on with the workers it has and fails (``NoWorkerPlaced``)
+  only when none is left.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import ray
 import ray.exceptions as rex
 
+from embedpipe.config import UNIT_TIMEOUT_FACTOR, UNIT_TIMEOUT_FLOOR_S, ClusterConfig
 from embedpipe.units import InputError, Unit
 
 log = logging.getLogger(__name__)
@@ -24,10 +39,49 @@ log = logging.getLogger(__name__)
 # A worker process or its node went away: the unit is fine, the worker is not.
 WORKER_DEATH = (rex.RayActorError, rex.WorkerCrashedError, rex.OutOfMemoryError, rex.NodeDiedError,
                 rex.ObjectLostError, rex.LocalRayletDiedError)
+# errno -> (what is wrong with the disk, the fix): retrying or skipping the unit cannot help
+DISK_ERRNOS = {errno.ENOSPC: ("is full", "free space there"), errno.EDQUOT: ("is over its quota", "free space there"),
+               errno.EROFS: ("is read-only", "make it writable")}
+POLL_S = 1.0  # longest wait between liveness checks (placement is polled at this pace)
+
+Cause = Literal["died", "timeout", "error"]
 
 
 class UnitFailed(RuntimeError):
-    """A unit failed ``max_attempts`` times with ``on_error: fail``."""
+    """A unit failed ``max_attempts`` times with ``on_error: fail``, or a disk error stopped the run."""
+
+
+class NoWorkerPlaced(RuntimeError):
+    """Every worker slot was given up: Ray could place none of their actors."""
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The scheduler's bounds, from ``cluster.*_timeout_s`` (docs/job-reference.md)."""
+
+    unit_timeout_s: float | None  # null: derived by unit_deadline
+    startup_timeout_s: float  # a placed worker's start; the first units' bound when derived
+    placement_timeout_s: float  # a new actor not placed by then is given up
+    floor_s: float = UNIT_TIMEOUT_FLOOR_S
+    factor: float = UNIT_TIMEOUT_FACTOR
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig) -> "Liveness":
+        return cls(unit_timeout_s=cfg.unit_timeout_s, startup_timeout_s=cfg.startup_timeout_s,
+                   placement_timeout_s=cfg.placement_timeout_s)
+
+
+def unit_deadline(liveness: Liveness, *, rows: int, slowest_s_per_row: float | None) -> float:
+    """Seconds a unit of ``rows`` rows may take on a ready worker.
+
+    The override if set; else, with no unit finished yet (no observation), the generous startup
+    bound; else ``max(floor, factor x slowest observed seconds per row x rows)``.
+    """
+    if liveness.unit_timeout_s is not None:
+        return liveness.unit_timeout_s
+    if slowest_s_per_row is None:
+        return liveness.startup_timeout_s
+    return max(liveness.floor_s, liveness.factor * slowest_s_per_row * max(rows, 1))
 
 
 @dataclass
@@ -42,66 +96,245 @@ class UnitFailure:
 
 
 @dataclass
+class _Slot:
+    """One worker slot: its actor, how far its start got, and the unit it holds."""
+
+    index: int
+    actor: Any  # None once given up
+    created: float  # time.monotonic() when the actor was asked for
+    ready_ref: Any  # the pending __ray_ready__ call; None once answered
+    placed: float | None = None  # when Ray gave it a worker process
+    ready: float | None = None  # when its __init__ finished
+    unit: Any = None
+    ref: Any = None  # the pending process(unit) call
+    taken: float = 0.0  # when the unit's clock started: max(submitted, ready)
+
+
+@dataclass
 class Scheduler:
     make_actor: Callable[[int], "ray.actor.ActorHandle"]  # slot -> a new worker actor
     workers: int
     max_attempts: int = 3
     on_error: str = "fail"  # or "skip_unit"
-    retried: int = 0  # unit attempts lost to a worker death or error
+    liveness: Liveness = field(default_factory=lambda: Liveness.from_config(ClusterConfig()))
+    resources: dict[str, float] = field(default_factory=dict)  # one worker's {"CPU": n, "GPU": m}, for messages
+    retried: int = 0  # unit attempts lost to a worker death, stall or error
     failed: list[UnitFailure] = field(default_factory=list)
-    replaced: int = 0  # actors started to replace dead ones
+    replaced: int = 0  # actors started to replace dead or stalled ones
+    given_up: int = 0  # slots left empty: their actor could not be placed
 
-    def run(self, units: list[Unit]) -> Iterator:
+    def run(self, units: list) -> Iterator:
         """Yield each unit's result as it finishes (completion order)."""
-        actors = [self.make_actor(slot) for slot in range(self.workers)]
-        queue, attempts, inflight = deque(units), {u.id: 0 for u in units}, {}
-
-        def submit(slot: int) -> None:
-            if queue:
-                unit = queue.popleft()
-                inflight[actors[slot].process.remote(unit)] = (slot, unit)
-
-        for slot in range(len(actors)):
-            submit(slot)
+        self._queue, self._attempts = deque(units), {u.id: 0 for u in units}
+        self._slowest: float | None = None  # slowest seconds per row of a finished unit
+        self._slots = [self._start(i) for i in range(self.workers)]
         try:
-            while inflight:
-                [ready], _ = ray.wait(list(inflight), num_returns=1)
-                slot, unit = inflight.pop(ready)
-                try:
-                    result = ray.get(ready)
-                except InputError as exc:  # RayTaskError subclasses the worker's exception type
-                    raise InputError(_first_line(exc)) from None
-                except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
-                    attempts[unit.id] += 1
-                    self.retried += 1
-                    died = isinstance(exc, WORKER_DEATH)
-                    log.warning("%s: attempt %d/%d failed (%s): %s", unit.label, attempts[unit.id],
-                                self.max_attempts, "worker died" if died else "error", _first_line(exc))
-                    if died:
-                        actors[slot] = self._replace(actors[slot], slot)
-                    if attempts[unit.id] < self.max_attempts:
-                        queue.append(unit)
-                    elif self.on_error == "skip_unit":
-                        self.failed.append(UnitFailure(unit, attempts[unit.id], _first_line(exc)))
-                    else:
-                        raise UnitFailed(
-                            f"{unit.label} failed {attempts[unit.id]} times, last: {_first_line(exc)}; fix or "
-                            f"remove that file, or set cluster.on_error: skip_unit to finish without it") from None
-                    submit(slot)
-                    continue
-                submit(slot)
-                yield result
+            self._fill()
+            while self._queue or any(s.ref is not None for s in self._slots):
+                result = self._step()
+                if result is not None:
+                    yield result
         finally:
-            for actor in actors:
-                ray.kill(actor, no_restart=True)
+            for slot in self._slots:
+                _kill(slot.actor)
 
-    def _replace(self, actor, slot: int):
+    # ------------------------------------------------------------------ one event
+
+    def _step(self):
+        live = [s for s in self._slots if s.actor is not None]
+        if not live:
+            raise NoWorkerPlaced(self._no_worker_message())
+        pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
+        pending |= {s.ref: s for s in live if s.ref is not None}
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
+        result = None
+        if done:
+            slot = pending[done[0]]
+            if done[0] == slot.ready_ref:
+                self._started(slot)
+            else:
+                result = self._finished(slot)
+        self._check(time.monotonic())
+        self._fill()
+        return result
+
+    def _started(self, slot: _Slot) -> None:
+        ref, slot.ready_ref = slot.ready_ref, None
         try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+            ray.get(ref)
+        except Exception:  # noqa: BLE001 - its __init__ failed: the unit's own call fails and says why
+            return
+        now = time.monotonic()
+        slot.placed, slot.ready = slot.placed or now, now
+        slot.taken = max(slot.taken, now)
+
+    def _finished(self, slot: _Slot):
+        ref, unit, started = slot.ref, slot.unit, slot.taken if slot.ready is not None else None
+        slot.ref = slot.unit = None
+        try:
+            result = ray.get(ref)
+        except InputError as exc:  # RayTaskError subclasses the worker's exception type
+            raise InputError(_first_line(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
+            disk = disk_problem(exc)
+            if disk is not None:
+                raise UnitFailed(f"{unit.label}: {disk}") from None
+            died = isinstance(exc, WORKER_DEATH)
+            self._lost(slot, unit, cause="died" if died else "error", error=_first_line(exc), replace=died)
+            return None
+        if started is not None:
+            rate = (time.monotonic() - started) / max(_rows(unit), 1)
+            self._slowest = max(self._slowest or 0.0, rate)
+        return result
+
+    # ------------------------------------------------------------------ liveness
+
+    def _check(self, now: float) -> None:
+        """Give up, or replace, every worker past one of its bounds."""
+        lv = self.liveness
+        for slot in self._slots:
+            if slot.actor is None:
+                continue
+            if slot.placed is None and _placed(slot.actor):
+                slot.placed = now
+            if slot.placed is None and now - slot.created > lv.placement_timeout_s:
+                self._give_up(slot)
+            elif slot.ready is None and slot.placed is not None and now - slot.placed > lv.startup_timeout_s:
+                self._stalled(slot, f"its worker did not start within {lv.startup_timeout_s:g} s")
+            elif slot.ready is not None and slot.unit is not None and now - slot.taken > self._deadline(slot.unit):
+                self._stalled(slot, f"its worker did not finish it within {self._deadline(slot.unit):.0f} s")
+
+    def _deadline(self, unit) -> float:
+        return unit_deadline(self.liveness, rows=_rows(unit), slowest_s_per_row=self._slowest)
+
+    def _wait_s(self, live: list[_Slot]) -> float:
+        """Until the nearest bound, at most POLL_S (placement is polled)."""
+        lv, now, bounds = self.liveness, time.monotonic(), [POLL_S]
+        for s in live:
+            if s.ready is not None and s.unit is not None:
+                bounds.append(s.taken + self._deadline(s.unit) - now)
+            elif s.placed is not None and s.ready is None:
+                bounds.append(s.placed + lv.startup_timeout_s - now)
+        return max(min(bounds), 0.01)
+
+    def _stalled(self, slot: _Slot, why: str) -> None:
+        if slot.unit is None:  # a start that hung with no unit yet: a fresh actor, no attempt lost
+            log.warning("worker %d: %s; replacing it", slot.index, why)
+            self._replace(slot)
+            return
+        unit, slot.ref, slot.unit = slot.unit, None, None
+        self._lost(slot, unit, cause="timeout", error=why, replace=True)
+
+    def _give_up(self, slot: _Slot) -> None:
+        _kill(slot.actor)
+        slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
+        if slot.unit is not None:  # it never ran there: back to the front, no attempt lost
+            self._queue.appendleft(slot.unit)
+            slot.ref = slot.unit = None
+        left = sum(s.actor is not None for s in self._slots)
+        log.warning("worker %d given up: Ray could not place it within %g s (%s); %d worker(s) left",
+                    slot.index, self.liveness.placement_timeout_s, self._free_text(), left)
+
+    def _no_worker_message(self) -> str:
+        cpus, gpus = self.resources.get("CPU", 0), self.resources.get("GPU", 0)
+        needs = (f"{cpus:g} CPU (cluster.cpus_per_worker={cpus:g})" + (f" and {gpus:g} GPU" if gpus else "")
+                 if self.resources else "the resources its actor asks for")
+        return (f"no worker could be placed for {self.liveness.placement_timeout_s:g} s: {self._free_text()}, each "
+                f"worker needs {needs}; add nodes, or lower cluster.workers or cluster.cpus_per_worker")
+
+    @staticmethod
+    def _free_text() -> str:
+        free = ray.available_resources()
+        return f"the cluster has {free.get('CPU', 0):g} CPUs / {free.get('GPU', 0):g} GPUs free"
+
+    # ------------------------------------------------------------------ slots and units
+
+    def _start(self, index: int) -> _Slot:
+        actor = self.make_actor(index)
+        return _Slot(index=index, actor=actor, created=time.monotonic(), ready_ref=actor.__ray_ready__.remote())
+
+    def _replace(self, slot: _Slot) -> None:
+        _kill(slot.actor)
         self.replaced += 1
-        return self.make_actor(slot)
+        self._slots[slot.index] = self._start(slot.index)
+
+    def _fill(self) -> None:
+        """Every live idle worker takes the next unit (a starting one too: its clock starts when it is ready)."""
+        for slot in self._slots:
+            if self._queue and slot.actor is not None and slot.unit is None:
+                slot.unit = self._queue.popleft()
+                slot.ref, slot.taken = slot.actor.process.remote(slot.unit), time.monotonic()
+
+    def _lost(self, slot: _Slot, unit, *, cause: Cause, error: str, replace: bool) -> None:
+        """A failed attempt: requeue the unit, set it aside, or fail the run."""
+        self._attempts[unit.id] += 1
+        self.retried += 1
+        attempts = self._attempts[unit.id]
+        log.warning("%s: attempt %d/%d failed (%s): %s", unit.label, attempts, self.max_attempts,
+                    {"died": "worker died", "timeout": "worker stalled", "error": "error"}[cause], error)
+        if replace:
+            self._replace(slot)
+        if attempts < self.max_attempts:
+            self._queue.append(unit)
+        elif self.on_error == "skip_unit":
+            self.failed.append(UnitFailure(unit, attempts, error))
+        else:
+            raise UnitFailed(failure_message(unit.label, attempts=attempts, cause=cause, error=error))
+
+
+def failure_message(label: str, *, attempts: int, cause: Cause, error: str) -> str:
+    """Why a unit failed the run and what to do, by its last failure's cause."""
+    skip = "or set cluster.on_error: skip_unit to finish without it"
+    if cause == "timeout":
+        return (f"{label} stalled {attempts} times, last: {error} (its worker was killed each time); if units "
+                f"are this slow, raise cluster.unit_timeout_s, {skip}")
+    if cause == "died":
+        return (f"{label} killed {attempts} workers, last: {error}; if they ran out of memory, lower "
+                f"batching.max_tokens or input.unit_rows, {skip}")
+    return f"{label} failed {attempts} times, last: {error}; fix or remove that file, {skip}"
+
+
+def disk_problem(exc: BaseException) -> str | None:
+    """A full, over-quota or read-only disk behind ``exc`` (as raised, or wrapped in RayTaskError), said
+    with its fix; None for any other error."""
+    cause = getattr(exc, "cause", None) or exc
+    code = cause.errno if isinstance(cause, OSError) else None
+    if code not in DISK_ERRNOS:  # the cause may not have crossed intact: read the message
+        line = _first_line(exc)
+        code = next((c for c in DISK_ERRNOS if f"[Errno {c}]" in line or os.strerror(c) in line), None)
+    if code is None:
+        return None
+    where = getattr(cause, "filename", None)
+    disk = f"the disk holding {where}" if where else "the output disk"
+    what, fix = DISK_ERRNOS[code]
+    return (f"writing failed: {disk} {what} ({os.strerror(code)}); {fix} and rerun the same command to resume: "
+            f"finished units are kept")
+
+
+def _placed(actor) -> bool:
+    """Has Ray given ``actor`` a worker process (resources found)? False when unknown: the placement
+    bound then lasts until the actor is ready."""
+    try:
+        from ray._private import state  # no public call tells placement apart from __init__ running
+
+        info = state.actors(actor._actor_id.hex())
+        return bool(info.get("Pid")) or info.get("State") == "ALIVE"
+    except Exception:  # noqa: BLE001 - a Ray without this table: fall back to readiness
+        return False
+
+
+def _kill(actor) -> None:
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _rows(unit) -> int:
+    """Rows of a work item: a Unit's ``num_rows``, an index Part's ``rows``."""
+    return getattr(unit, "num_rows", None) or getattr(unit, "rows", 1)
 
 
 def _first_line(exc: BaseException) -> str:

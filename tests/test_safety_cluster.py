@@ -1,0 +1,224 @@
+"""Scheduler liveness and failure messages: a stopped worker and a lost node with no spare CPU on
+a real Ray (never a hang), the deadline derivation and the disk-error message as plain unit tests.
+
+The lost-node runs need their own multi-node Ray (``ray.cluster_utils.Cluster``), so they run in a
+subprocess: this module is also the script (``python -m tests.test_safety_cluster``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray.exceptions as rex
+
+from embedpipe.cluster.scheduler import Liveness, disk_problem, failure_message, unit_deadline
+from embedpipe.config import ClusterConfig
+from tests.conftest import ROOT, split_corpus, write_job
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+# --------------------------------------------------------------------------- the deadline (no Ray)
+
+def test_unit_deadline_derivation():
+    lv = Liveness(unit_timeout_s=None, startup_timeout_s=50.0, placement_timeout_s=5.0, floor_s=2.0, factor=4.0)
+    assert unit_deadline(lv, rows=100, slowest_s_per_row=None) == 50.0  # nothing finished yet: the startup bound
+    assert unit_deadline(lv, rows=100, slowest_s_per_row=0.01) == pytest.approx(4.0)  # 4 x 0.01 s/row x 100 rows
+    assert unit_deadline(lv, rows=1000, slowest_s_per_row=0.01) == pytest.approx(40.0)  # scales with the rows
+    assert unit_deadline(lv, rows=10, slowest_s_per_row=0.01) == 2.0  # never below the floor
+    fixed = replace(lv, unit_timeout_s=7.0)  # the override wins, observed or not
+    assert unit_deadline(fixed, rows=100, slowest_s_per_row=None) == 7.0
+    assert unit_deadline(fixed, rows=9, slowest_s_per_row=1.0) == 7.0
+
+
+def test_liveness_defaults_come_from_the_job_schema():
+    lv = Liveness.from_config(ClusterConfig())
+    assert (lv.unit_timeout_s, lv.startup_timeout_s, lv.placement_timeout_s) == (None, 1800.0, 60.0)
+    assert unit_deadline(lv, rows=10_000, slowest_s_per_row=0.005) == pytest.approx(200.0)  # 4 x 50 s
+    assert unit_deadline(lv, rows=100, slowest_s_per_row=0.005) == 120.0  # the 120 s floor
+
+
+# --------------------------------------------------------------------------- the failure message (no Ray)
+
+def _as_ray_task_error(exc: BaseException) -> BaseException:
+    """The worker's exception as the driver receives it: RayTaskError subclassing its type."""
+    try:
+        raise exc
+    except type(exc) as raised:
+        return rex.RayTaskError("process", traceback.format_exc(), raised).as_instanceof_cause()
+
+
+@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "is full"), (errno.EDQUOT, "over its quota"),
+                                         (errno.EROFS, "is read-only")])
+def test_disk_errors_say_free_space_and_rerun(code, words):
+    part = "/data/out/vectors/.part-00003.parquet.tmp"
+    for exc in (OSError(code, os.strerror(code), part), _as_ray_task_error(OSError(code, os.strerror(code), part))):
+        message = disk_problem(exc)
+        assert message is not None and words in message and part in message
+        assert "rerun the same command to resume" in message
+        assert "skip_unit" not in message and "remove that file" not in message
+
+
+def test_disk_full_read_from_the_message_when_the_cause_is_lost():
+    line = "OSError: [Errno 28] No space left on device: '/data/out/vectors/.part-1.tmp'"
+    message = disk_problem(RuntimeError(f"Traceback (most recent call last):\n  ...\n{line}"))
+    assert message is not None and "is full" in message and "rerun the same command" in message
+
+
+def test_other_errors_keep_naming_the_file():
+    missing = _as_ray_task_error(FileNotFoundError(errno.ENOENT, "No such file or directory", "/data/in/a.parquet"))
+    assert disk_problem(missing) is None
+    text = failure_message("unit 00001 (/data/in/a.parquet, rows 0..29)", attempts=3, cause="error",
+                           error="FileNotFoundError: [Errno 2] No such file or directory: '/data/in/a.parquet'")
+    assert "/data/in/a.parquet" in text and "fix or remove that file" in text and "cluster.on_error: skip_unit" in text
+    stalled = failure_message("unit 00001", attempts=3, cause="timeout",
+                              error="its worker did not finish it within 9 s")
+    assert "cluster.unit_timeout_s" in stalled and "remove that file" not in stalled
+
+
+# --------------------------------------------------------------------------- a stopped worker (local Ray)
+
+@pytest.fixture(scope="module")
+def encoder():
+    from embedpipe.runtime import Encoder, EncoderSettings
+
+    return Encoder(EncoderSettings(model_path=MODEL))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, quickstart_table):
+    table = quickstart_table.slice(0, 600).select(["id", "text"])
+    folder = tmp_path_factory.mktemp("safety_corpus")
+    split_corpus(table, folder, files=2, row_group_size=30)  # 20 units of 30 rows
+    return table, folder
+
+
+def _job(tmp_path: Path, folder: Path, **cluster) -> Path:
+    return write_job(tmp_path / "job.yaml", input={"path": str(folder), "unit_rows": 30}, model={"path": MODEL},
+                     batching={"max_tokens": 2048}, output={"path": str(tmp_path / "out")},
+                     cluster={"workers": 2, "cpus_per_worker": 1, **cluster})
+
+
+@pytest.mark.slow
+def test_sigstopped_worker_is_replaced(tmp_path, corpus, ray_session, encoder, caplog):
+    from embedpipe.cluster.driver import run_job
+    from embedpipe.config import load_job
+    from tests.test_reliability import _assert_exact, _records, _worker_pids
+
+    table, folder = corpus
+    job = load_job(_job(tmp_path, folder, unit_timeout_s=10))
+    outcome = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)), daemon=True)
+    caplog.set_level(logging.WARNING, logger="embedpipe.cluster.scheduler")
+    runner.start()
+    deadline = time.time() + 300
+    while _records(tmp_path / "out") < 2 and time.time() < deadline and runner.is_alive():
+        time.sleep(0.05)
+    victims = _worker_pids()
+    assert victims and _records(tmp_path / "out") < 20, "the stop must land mid-run"
+    os.kill(victims[0], signal.SIGSTOP)
+    try:
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "the run waits on the stopped worker"
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
+            try:
+                os.kill(victims[0], sig)
+            except ProcessLookupError:
+                pass
+        runner.join(timeout=120)
+    report = outcome["result"].report
+    assert report["units"]["retried"] >= 1 and report["units"]["failed"] == 0
+    assert report["units"]["encoded"] == report["units"]["total"] == 20
+    assert "worker stalled" in caplog.text
+    _assert_exact(tmp_path / "out", table, encoder)
+
+
+# --------------------------------------------------------------------------- a lost node (multi-node Ray)
+
+def _run_on_cluster(tmp_path: Path, folder: Path, *, nodes: int, workers: int) -> dict:
+    """The script below in a subprocess, bounded: its JSON answer plus its stderr."""
+    job = _job(tmp_path, folder, workers=workers, placement_timeout_s=5)
+    cmd = [sys.executable, "-m", "tests.test_safety_cluster", str(job), str(nodes)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the driver and its Ray nodes
+        out, err = proc.communicate()
+        pytest.fail(f"the run hung after its node was removed; stderr tail: {err[-3000:]}")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, f"no answer (rc {proc.returncode}); stderr tail: {err[-3000:]}"
+    return {**json.loads(lines[-1]), "stderr": err}
+
+
+@pytest.mark.slow
+def test_lost_node_without_spare_cpu_finishes_on_the_survivor(tmp_path, corpus, encoder):
+    from tests.test_reliability import _assert_exact
+
+    table, folder = corpus
+    answer = _run_on_cluster(tmp_path, folder, nodes=2, workers=2)
+    assert answer["exit_code"] == 0, answer["output"] + answer["stderr"][-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["units"]["encoded"] == report["units"]["total"] == 20 and report["units"]["failed"] == 0
+    assert "given up: Ray could not place it within 5 s" in answer["stderr"]
+    _assert_exact(tmp_path / "out", table, encoder)
+
+
+@pytest.mark.slow
+def test_lost_last_node_fails_naming_the_resources(tmp_path, corpus):
+    _, folder = corpus
+    answer = _run_on_cluster(tmp_path, folder, nodes=1, workers=1)
+    assert answer["exit_code"] == 4, answer["output"] + answer["stderr"][-3000:]
+    assert "no worker could be placed for 5 s: the cluster has 0 CPUs / 0 GPUs free" in answer["output"]
+    assert "each worker needs 1 CPU (cluster.cpus_per_worker=1)" in answer["output"]
+
+
+def _main(job_file: str, nodes: int) -> None:
+    """Head without CPUs plus ``nodes`` one-CPU nodes; run the job through the CLI, remove a node once
+    two units are done; print {exit_code, output} as the last line."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+    from embedpipe.config import load_job
+    from tests.test_reliability import _records
+
+    logging.basicConfig(level=logging.WARNING)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
+        "health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+    workers = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
+    out = Path(load_job(Path(job_file)).output.path)
+    try:
+        def remove_a_node() -> None:
+            while _records(out) < 2:
+                time.sleep(0.05)
+            cluster.remove_node(workers[-1], allow_graceful=False)
+
+        threading.Thread(target=remove_a_node, daemon=True).start()
+        result = CliRunner().invoke(app, ["run", job_file, "--no-progress"])
+        print(json.dumps({"exit_code": result.exit_code, "output": result.output}), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]))
