@@ -217,9 +217,9 @@ def test_jsonl_text_that_is_no_string_is_a_bad_row(tmp_path, policy, want_ids, w
 # --------------------------------------------------------------------------- end to end
 
 @pytest.mark.slow
-def test_every_text_type_and_bad_row_kind_through_the_cli(tmp_path, ray_session):
-    """One run: the same texts as string, dictionary and large_string files give the same vectors; the
-    stray-quote CSV row and the null-id row are accounted for in the report."""
+def test_text_types_and_null_ids_through_the_cli(tmp_path, ray_session):
+    """One run: the same texts as string, dictionary and large_string files give the same vectors; each
+    file's null-id row gets no vector and is counted and listed as null_id."""
     texts = ['a 27" monitor', "kernel memory barriers", "the quick brown fox", "a gloss of a word"]
     data = tmp_path / "data"
     data.mkdir()
