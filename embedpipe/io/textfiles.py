@@ -26,6 +26,7 @@ import json
 import re
 from typing import BinaryIO, Iterator, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
@@ -250,24 +251,19 @@ def _parse_jsonl_rows(data: bytes, *, fields: dict[str, pa.DataType]) -> pa.Tabl
     and a null-typed member for the rest, which screening counts as ``not_text``."""
     data = data.removeprefix(codecs.BOM_UTF8)  # the first unit of a file may start with one
     records = [json.loads(line) for line in data.split(b"\n") if line.strip()]
-    columns = {}
-    for name, tp in fields.items():
-        values = [record.get(name) if isinstance(record, dict) else None for record in records]
-        columns[name] = _text_or_other(values) if pa.types.is_string(tp) else pa.array(values, tp)
-    return pa.table(columns)
+    if any(not isinstance(r, dict) for r in records):
+        raise ValueError("a record is not a JSON object")
+    return pa.table({name: _text_or_other([r.get(name) for r in records]) if pa.types.is_string(tp)
+                     else pa.array([r.get(name) for r in records], tp) for name, tp in fields.items()})
 
 
 def _text_or_other(values: list) -> pa.Array:
     """Strings (and nulls) as a string member; any other JSON value as a null-typed member."""
-    is_text = [v is None or isinstance(v, str) for v in values]
-    texts = [v for v, t in zip(values, is_text) if t]
-    offsets, seen = [], [0, 0]
-    for t in is_text:
-        member = 0 if t else 1
-        offsets.append(seen[member])
-        seen[member] += 1
-    return pa.UnionArray.from_dense(pa.array([0 if t else 1 for t in is_text], pa.int8()), pa.array(offsets, pa.int32()),
-                                    [pa.array(texts, pa.string()), pa.nulls(seen[1])], ["text", "other"])
+    text = np.array([v is None or isinstance(v, str) for v in values], dtype=bool)  # [N]
+    offsets = np.where(text, np.cumsum(text) - 1, np.cumsum(~text) - 1)  # [N] each row's place in its member
+    return pa.UnionArray.from_dense(pa.array((~text).astype(np.int8)), pa.array(offsets.astype(np.int32)),
+                                    [pa.array([v for v, t in zip(values, text) if t], pa.string()),
+                                     pa.nulls(int((~text).sum()))], ["text", "other"])
 
 
 def _json_type(value, file: str, id_column: str) -> pa.DataType:
