@@ -22,7 +22,6 @@ from embedpipe.config import InputConfig, parse_job
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.rows import screen_rows
 from embedpipe.io import textfiles
-from embedpipe.io.textfiles import csv_records
 from embedpipe.preflight import preflight
 from embedpipe.units import InputError
 from tests.conftest import assert_same_vectors, run_cli_job, write_job
@@ -67,35 +66,50 @@ def test_csv_record_with_more_fields_than_the_header_names_the_line(tmp_path):
 
 
 def _random_csv(rng: random.Random) -> bytes:
-    pieces = [b"a", b"b", b" ", b",", b'"', b'""', b"\n", b"\r\n", b"\r", b'"x,\ny"']
-    rows = [b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(1, 5))]
-    return b"h1,h2\n" + b"\n".join(rows) + rng.choice([b"", b"\n"])
+    """Rows of two fields made of pieces that quote, escape, break lines, or stray."""
+    pieces = [b"a b", b"", b'x"y', b'"q, ""r""\nz"', b'"s"t', b'""', b"\r", b'"', b",", b"\r\n", b"\n"]
+    field = lambda: b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 2)))  # noqa: E731
+    rows = [field() + b"," + field() for _ in range(rng.randint(1, 12))]
+    return b"h1,h2\n" + rng.choice([b"\n", b"\r\n", b"\r"]).join(rows) + rng.choice([b"", b"\n"])
 
 
-@pytest.mark.parametrize("block", [1 << 20, 3])  # 3: records cut across every read
-def test_csv_record_boundaries_agree_with_pyarrow(monkeypatch, block):
+@pytest.mark.parametrize("block, chunk", [(1 << 20, 256), (3, 2)])  # 3 bytes: records cut across reads
+def test_csv_record_boundaries_agree_with_pyarrow(monkeypatch, block, chunk):
     """On random bytes full of quotes, commas and line ends: every file the planner accepts, pyarrow
-    parses into as many rows, and each record's bytes alone parse to the same row."""
+    parses into as many rows, and each record's bytes, and each span of records cut at once, parse
+    alone (after the header) to the same rows."""
     monkeypatch.setattr(textfiles, "BLOCK", block)
-    rng, accepted = random.Random(1234), 0
+    monkeypatch.setattr(textfiles, "CHUNK", chunk)
+    options = dict(parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                   convert_options=pacsv.ConvertOptions(column_types={"h1": pa.string(), "h2": pa.string()}))
+    rng, accepted, bulk = random.Random(1234), 0, 0
     for _ in range(3000):
         data = _random_csv(rng)
         try:
-            records = list(csv_records(io.BytesIO(data), name="r.csv"))
+            cuts = [_spans(data, 1), _spans(data, rng.randint(2, 5))]
         except InputError:
-            continue  # an unclosed quote: refused, naming the line
-        if any(r.fields != records[0].fields for r in records):
-            continue  # a wrong field count: refused by the planner, naming the line
+            continue  # an unclosed quote or a wrong field count: refused, naming the line
         accepted += 1
-        spans = [(r.start, r.end) for r in records]
-        options = dict(parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                       convert_options=pacsv.ConvertOptions(column_types={"h1": pa.string(), "h2": pa.string()}))
         whole = pacsv.read_csv(pa.BufferReader(data), **options).to_pylist()
-        assert len(spans) == 1 + len(whole), data
-        head = data[spans[0][0]:spans[0][1]]
-        for (start, end), row in zip(spans[1:], whole):
-            assert pacsv.read_csv(pa.BufferReader(head + data[start:end]), **options).to_pylist() == [row], data
-    assert accepted > 200
+        head = data[:data.index(b"\n") + 1]
+        for spans in cuts:
+            row = 0
+            for start, end, rows in spans:
+                got = pacsv.read_csv(pa.BufferReader(head + data[start:end]), **options).to_pylist()
+                assert start >= len(head) and got == whole[row:row + rows], data
+                row += rows
+                bulk += rows > 1
+            assert row == len(whole), data
+    assert accepted > 200 and bulk > 100
+
+
+def _spans(data: bytes, n: int) -> list[tuple[int, int, int]]:
+    scanner = textfiles.CsvScanner(io.BytesIO(data), name="r.csv")
+    scanner.take(1)  # the header
+    spans = []
+    while (span := scanner.take(n)) is not None:
+        spans.append((span.start, span.end, span.rows))
+    return spans
 
 
 def test_a_unit_that_reads_other_rows_than_planned_fails(tmp_path):

@@ -22,6 +22,7 @@ not a string (a number, a list, an object) is a ``not_text`` bad row (``input.on
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 from typing import BinaryIO, Iterator, NamedTuple
@@ -38,6 +39,7 @@ from embedpipe.units import InputError, Unit
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".snappy")
 BLOCK = 1 << 20  # bytes read at a time while scanning
 MAX_RECORD = 64 << 20  # a CSV record longer than this is an unclosed quote, not a text
+CHUNK = 256  # CSV records cut by one match, at most
 
 # pyarrow's default CSV dialect as regular expressions, one match a record. A quoted field: `"`, then
 # characters or `""` pairs, then a `"` not followed by another (so the match is unique, whatever the
@@ -51,66 +53,121 @@ _BLANK = re.compile(rb"[\r\n]+")  # empty lines, skipped as pyarrow skips them
 _QUOTED_FIELD = re.compile(rb'(?:^|(?<=,))%s' % _QUOTED)  # a quoted field at a field start, for counting
 
 
-def _record_of(fields: int) -> re.Pattern:
-    """A record of exactly ``fields`` fields: the fast match once the header's count is known."""
-    return re.compile(rb"%s(?:,%s){%d}%s" % (_FIELD, _FIELD, fields - 1, _END))
+@functools.lru_cache(maxsize=64)
+def _records_of(fields: int, count: int) -> re.Pattern:
+    """``count`` records of exactly ``fields`` fields (blank lines between them skipped): one match
+    cuts many records at once, once the header's field count is known."""
+    record = rb"%s(?:,%s){%d}%s" % (_FIELD, _FIELD, fields - 1, _END)
+    return re.compile(rb"(?:[\r\n]*%s){%d}" % (record, count))
 
 
 class Record(NamedTuple):
     start: int  # its bytes are [start, end) of the file
     end: int
     line: int  # the 1-based line it starts on
-    fields: int  # CSV: the fields pyarrow will find in it; JSONL: 1
+    fields: int  # CSV: the fields pyarrow will find in each record; JSONL: 1
+    rows: int = 1  # a span of this many whole records
 
 
 def scan_records(f: BinaryIO, *, csv: bool, name: str = "input") -> Iterator[tuple[int, int]]:
     """The ``(start, end)`` byte offsets of each record of ``f``, in order (``name``: for errors)."""
-    for record in _records(f, fmt="csv" if csv else "jsonl", name=name):
+    scanner = _scanner(f, fmt="csv" if csv else "jsonl", name=name)
+    while (record := scanner.take(1)) is not None:
         yield record.start, record.end
 
 
-def _jsonl_records(f: BinaryIO) -> Iterator[Record]:
-    pos = 0
-    for number, line in enumerate(f, 1):
-        if line.strip():
-            yield Record(pos, pos + len(line), number, 1)
-        pos += len(line)
+class JsonlScanner:
+    """A JSONL file front to back: each non-blank line is a record."""
+
+    def __init__(self, f: BinaryIO, *, name: str):
+        self.lines, self.pos, self.line = iter(f), 0, 0
+
+    def take(self, n: int) -> Record | None:
+        """The next record (``n`` is a bound; one at a time here), None after the last."""
+        for line in self.lines:
+            self.line += 1
+            self.pos += len(line)
+            if line.strip():
+                return Record(self.pos - len(line), self.pos, self.line, 1)
+        return None
 
 
-def csv_records(f: BinaryIO, *, name: str) -> Iterator[Record]:
-    """Each CSV record of ``f`` as pyarrow's parser cuts it; an unclosed quoted field is an error."""
-    buf, base, pos, line, eof = b"", 0, 0, 1, False  # buf: the file's bytes [base, base + len(buf))
-    usual, width = None, 0  # once the header is read: the match of a record of its field count, and that count
-    while True:
-        blank = _BLANK.match(buf, pos)
-        start = blank.end() if blank else pos
-        if start < len(buf) or eof:  # a record starts at `start` (a `\r` at the end may be half a `\r\n`)
-            if blank:
-                line += _line_ends(buf, pos, start)
-                pos = start
-            m = usual.match(buf, pos) if usual is not None else None
-            fields = width if m is not None else 0
-            if m is None:
+class CsvScanner:
+    """A CSV file front to back, cut into records where pyarrow's parser cuts them.
+
+    The first record is the header; every later one must have its field count. Most records are
+    cut many at a time by one match of ``_records_of``; a record that match cannot take (the end of
+    the buffer or the file, another field count, an unclosed quote) is cut alone, and errors name
+    its line."""
+
+    def __init__(self, f: BinaryIO, *, name: str):
+        self.f, self.name = f, name
+        self.buf, self.base, self.pos, self.line, self.eof = b"", 0, 0, 1, False  # buf: bytes [base, base + len(buf))
+        self.width = 0  # the header's field count, once it is read
+        self.chunk = CHUNK  # records per bulk match: halved when one fails, doubled when one succeeds
+
+    def take(self, n: int) -> Record | None:
+        """The next ``n`` records as one span, or fewer (at least one); None after the last record."""
+        if self.width and n > 1:
+            self._fill()
+            span = self._bulk(min(n, self.chunk))
+            self.chunk = min(CHUNK, self.chunk * 2) if span is not None else max(1, self.chunk // 2)
+            if span is not None:
+                return span
+        record = self._one()
+        if record is not None and record.fields != (self.width or record.fields):
+            raise InputError(f"{self.name}: line {record.line} has {record.fields} fields where the header has "
+                             f"{self.width} (a stray quote, or a comma in an unquoted field?): quote a field that "
+                             f"holds commas, quotes or line ends (\"a, b\"), write a quote inside it as \"\"")
+        self.width = self.width or (record.fields if record is not None else 0)
+        return record
+
+    def _bulk(self, n: int) -> Record | None:
+        m = _records_of(self.width, n).match(self.buf, self.pos)
+        if m is None or (m.end() == len(self.buf) and not self.eof):  # a `\r` at the end may be half a `\r\n`
+            return None
+        blank = _BLANK.match(self.buf, self.pos)
+        start = blank.end() if blank else self.pos
+        line = self.line + _line_ends(self.buf, self.pos, start)
+        self.line = line + _line_ends(self.buf, start, m.end())
+        self.pos = m.end()
+        return Record(self.base + start, self.base + m.end(), line, self.width, n)
+
+    def _one(self) -> Record | None:
+        while True:
+            buf, pos = self.buf, self.pos
+            blank = _BLANK.match(buf, pos)
+            start = blank.end() if blank else pos
+            if start < len(buf) or self.eof:  # a record starts at `start`
+                self.line += _line_ends(buf, pos, start)
+                self.pos = pos = start
                 m = _RECORD.match(buf, pos)
-            if m is not None and (m.end() < len(buf) or eof):
-                end = m.end()
-                fields = fields or _fields(buf[pos:end])
-                yield Record(base + pos, base + end, line, fields)
-                if usual is None:
-                    usual, width = _record_of(fields), fields
-                line += _line_ends(buf, pos, end)
-                pos = end
-                continue
-            if eof:
-                if pos < len(buf):
+                end = m.end() if m is not None else -1
+                if end == -1 and self.eof and pos < len(buf):  # the last record, without a line end
                     if _LAST.match(buf, pos) is None:
-                        raise _unclosed(name, line)
-                    yield Record(base + pos, base + len(buf), line, _fields(buf[pos:]))
-                return
-        if len(buf) - pos > MAX_RECORD:
-            raise _unclosed(name, line)
-        more = f.read(max(BLOCK, len(buf) - pos))  # doubles while one record outgrows the buffer
-        buf, base, pos, eof = buf[pos:] + more, base + pos, 0, not more
+                        raise _unclosed(self.name, self.line)
+                    end = len(buf)
+                if end != -1 and (end < len(buf) or self.eof):
+                    record = Record(self.base + pos, self.base + end, self.line, _fields(buf[pos:end]))
+                    self.line += _line_ends(buf, pos, end)
+                    self.pos = end
+                    return record
+                if self.eof:
+                    return None
+            if len(buf) - pos > MAX_RECORD:
+                raise _unclosed(self.name, self.line)
+            self._fill(max(BLOCK, 2 * (len(buf) - pos)))  # doubles while one record outgrows the buffer
+
+    def _fill(self, want: int = BLOCK) -> None:
+        """Hold at least ``want`` bytes past the position (or the rest of the file)."""
+        if self.eof or len(self.buf) - self.pos >= want:
+            return
+        more = self.f.read(want)
+        self.buf, self.base, self.pos, self.eof = self.buf[self.pos:] + more, self.base + self.pos, 0, not more
+
+
+def _scanner(f: BinaryIO, *, fmt: str, name: str) -> CsvScanner | JsonlScanner:
+    return CsvScanner(f, name=name) if fmt == "csv" else JsonlScanner(f, name=name)
 
 
 def _fields(record: bytes) -> int:
@@ -141,57 +198,36 @@ def plan_text_units(files: list[str], *, fmt: str, text_column: str, id_column: 
             raise InputError(f"{file}: compressed {fmt.upper()} cannot be split into byte ranges: "
                              f"decompress it first (or convert it to Parquet)")
         with fs.open_binary(file) as f:
-            records = _records(f, fmt=fmt, name=file)
-            head = next(records, None)
-            if head is None:
+            head = first_record(f, fmt=fmt, name=file)
+            if not head:
                 continue  # an empty file has no rows
-            f.seek(head.start)
-            _check_columns(file, f.read(head.end - head.start), fmt=fmt, text_column=text_column, id_column=id_column)
+            _check_columns(file, head, fmt=fmt, text_column=text_column, id_column=id_column)
             f.seek(0)
-            records = _records(f, fmt=fmt, name=file)  # a fresh scan from the top
+            scanner = _scanner(f, fmt=fmt, name=file)  # a fresh scan from the top
             if fmt == "csv":
-                next(records)  # the header
-            units += _cut(_same_fields(records, file=file, fields=head.fields), file=file, file_index=file_index,
-                          fmt=fmt, unit_rows=unit_rows)
+                scanner.take(1)  # the header
+            units += _cut(scanner, file=file, file_index=file_index, fmt=fmt, unit_rows=unit_rows)
     return units
 
 
 def first_record(f: BinaryIO, *, fmt: str, name: str) -> bytes:
     """The bytes of the first record (a CSV's header); ``b""`` for a file without one."""
-    head = next(_records(f, fmt=fmt, name=name), None)
+    head = _scanner(f, fmt=fmt, name=name).take(1)
     if head is None:
         return b""
     f.seek(head.start)
     return f.read(head.end - head.start)
 
 
-def _records(f: BinaryIO, *, fmt: str, name: str) -> Iterator[Record]:
-    return csv_records(f, name=name) if fmt == "csv" else _jsonl_records(f)
-
-
-def _same_fields(records: Iterator[Record], *, file: str, fields: int) -> Iterator[Record]:
-    """The records, each checked to have the header's field count (pyarrow refuses any other)."""
-    for record in records:
-        if record.fields != fields:
-            raise InputError(f"{file}: line {record.line} has {record.fields} fields where the header has {fields} "
-                             f"(a stray quote, or a comma in an unquoted field?): quote a field that holds commas, "
-                             f"quotes or line ends (\"a, b\"), write a quote inside it as \"\"")
-        yield record
-
-
-def _cut(records: Iterator[Record], *, file: str, file_index: int, fmt: str, unit_rows: int) -> list[Unit]:
+def _cut(scanner: CsvScanner | JsonlScanner, *, file: str, file_index: int, fmt: str, unit_rows: int) -> list[Unit]:
     units: list[Unit] = []
-    row = count = byte_start = byte_end = 0
-    for record in records:
-        if count == 0:
-            byte_start = record.start
-        count += 1
-        byte_end = record.end
-        if count == unit_rows:
-            units.append(_unit(file, file_index, fmt, row, count, byte_start, byte_end))
-            row, count = row + count, 0
-    if count:
-        units.append(_unit(file, file_index, fmt, row, count, byte_start, byte_end))
+    row = 0
+    while (first := scanner.take(unit_rows)) is not None:
+        end, count = first.end, first.rows
+        while count < unit_rows and (more := scanner.take(unit_rows - count)) is not None:
+            end, count = more.end, count + more.rows
+        units.append(_unit(file, file_index, fmt, row, count, first.start, end))
+        row += count
     return units
 
 
