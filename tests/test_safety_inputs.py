@@ -65,6 +65,18 @@ def test_csv_record_with_more_fields_than_the_header_names_the_line(tmp_path):
         plan_input(InputConfig(path=str(path)))
 
 
+@pytest.mark.parametrize("bad, message", [(b'x,"never closed', "a quoted field opens and never closes"),
+                                          (b"x,y,z", "has 3 fields where the header has 2")])
+def test_csv_errors_deep_in_a_file_name_the_right_line(tmp_path, bad, message):
+    before = [b'%d,"two\r\nlines"' % i if i % 7 == 0 else b"%d,text %d" % (i, i) for i in range(500)]
+    after = [b"%d,text %d" % (i, i) for i in range(500, 600)]  # no quote that would close a stray one
+    path = tmp_path / "a.csv"
+    path.write_bytes(b"id,text\r\n" + b"\r\n".join(before + [bad] + after) + b"\r\n")
+    line = 1 + 500 + len(range(0, 500, 7)) + 1  # the header, 500 rows, one more line in every 7th
+    with pytest.raises(InputError, match=rf"a\.csv: line {line}: {message}|a\.csv: line {line} {message}"):
+        plan_input(InputConfig(path=str(path), unit_rows=1000))
+
+
 def _random_csv(rng: random.Random) -> bytes:
     """Rows of two fields made of pieces that quote, escape, break lines, or stray."""
     pieces = [b"a b", b"", b'x"y', b'"q, ""r""\nz"', b'"s"t', b'""', b"\r", b'"', b",", b"\r\n", b"\n"]

@@ -46,7 +46,7 @@ CHUNK = 256  # CSV records cut by one match, at most
 # backtracking), then unquoted text up to the next delimiter, where a `"` is a literal character.
 _QUOTED = rb'"[^"]*(?:""[^"]*)*"(?!")'
 _FIELD = rb'(?:%s[^,\r\n]*|[^",\r\n][^,\r\n]*|)' % _QUOTED
-_END = rb"(?:\r\n|\n|\r)"
+_END = rb"(?:\r\n|\n|\r(?!\n))"  # unambiguous: a failing match never retries a `\r\n` as two ends
 _RECORD = re.compile(rb"%s(?:,%s)*%s" % (_FIELD, _FIELD, _END))  # any number of fields
 _LAST = re.compile(rb"%s(?:,%s)*\Z" % (_FIELD, _FIELD))  # the file's last record, without a line end
 _BLANK = re.compile(rb"[\r\n]+")  # empty lines, skipped as pyarrow skips them
@@ -108,7 +108,7 @@ class CsvScanner:
 
     def take(self, n: int) -> Record | None:
         """The next ``n`` records as one span, or fewer (at least one); None after the last record."""
-        if self.width and n > 1:
+        if self.width > 1 and n > 1:  # (with one column, a blank line would read as an empty record)
             self._fill()
             span = self._bulk(min(n, self.chunk))
             self.chunk = min(CHUNK, self.chunk * 2) if span is not None else max(1, self.chunk // 2)
@@ -155,7 +155,8 @@ class CsvScanner:
                 if self.eof:
                     return None
             if len(buf) - pos > MAX_RECORD:
-                raise _unclosed(self.name, self.line)
+                raise InputError(f"{self.name}: line {self.line}: a record longer than {MAX_RECORD >> 20} MiB (a quoted "
+                                 f"field that never closes?): close the quote, or split the text")
             self._fill(max(BLOCK, 2 * (len(buf) - pos)))  # doubles while one record outgrows the buffer
 
     def _fill(self, want: int = BLOCK) -> None:
