@@ -240,6 +240,13 @@ def test_jsonl_text_that_is_no_string_is_a_bad_row(tmp_path, policy, want_ids, w
         _read_all(InputConfig(path=str(path)))
 
 
+def test_jsonl_id_of_another_type_is_a_parse_error_naming_the_unit(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"id": "a", "text": "x"}\n{"id": 2, "text": 3}\n')
+    with pytest.raises(InputError, match=r"unit 00000-0000000000 \(.*a\.jsonl, rows 0\.\.1\): cannot parse JSONL"):
+        _read_all(InputConfig(path=str(path), on_bad_row="skip"))
+
+
 # --------------------------------------------------------------------------- end to end
 
 @pytest.mark.slow

@@ -257,7 +257,7 @@ class TextFileReader(ScreeningReader):
             try:
                 return _parse_jsonl(data, fields=fields)
             except pa.ArrowInvalid:  # a value of another type, such as a text that is a number
-                return _parse_jsonl_rows(data, fields=fields)
+                return _parse_jsonl_rows(data, fields=fields, text_column=self.text_column)
         except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError, KeyError) as exc:
             raise InputError(f"{unit.label}: cannot parse {self.fmt.upper()} ({exc}): fix or remove the bad "
                              f"record, or set input.format to the file's real format") from exc
@@ -281,16 +281,16 @@ def _parse_jsonl(data: bytes, *, fields: dict[str, pa.DataType]) -> pa.Table:
     return table.select(list(fields))
 
 
-def _parse_jsonl_rows(data: bytes, *, fields: dict[str, pa.DataType]) -> pa.Table:
+def _parse_jsonl_rows(data: bytes, *, fields: dict[str, pa.DataType], text_column: str) -> pa.Table:
     """The slow path, one ``json.loads`` a record, for units whose values pyarrow cannot convert.
 
-    A string field (the text) may then hold other JSON values: it becomes a union of the strings
-    and a null-typed member for the rest, which screening counts as ``not_text``."""
+    The text may then hold other JSON values: it becomes a union of the strings and a null-typed
+    member for the rest, which screening counts as ``not_text``; any other field keeps its type."""
     data = data.removeprefix(codecs.BOM_UTF8)  # the first unit of a file may start with one
     records = [json.loads(line) for line in data.split(b"\n") if line.strip()]
     if any(not isinstance(r, dict) for r in records):
         raise ValueError("a record is not a JSON object")
-    return pa.table({name: _text_or_other([r.get(name) for r in records]) if pa.types.is_string(tp)
+    return pa.table({name: _text_or_other([r.get(name) for r in records]) if name == text_column
                      else pa.array([r.get(name) for r in records], tp) for name, tp in fields.items()})
 
 
