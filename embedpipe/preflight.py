@@ -1,8 +1,14 @@
 """Checks that run on the driver before any worker starts or any model runs.
 
-A corrupt or unreadable file, a missing column, duplicate ids and a model directory with
-missing or unsafe files are each reported here, naming the file and the fix, so a bad nightly
-job fails in seconds instead of after an hour of encoding.
+A corrupt or unreadable file, a missing column, ids of two types across the input, a null id
+(under ``input.on_bad_row: error``), duplicate ids and a model directory with missing or unsafe
+files are each reported here, naming the file and the fix, so a bad nightly job fails in seconds
+instead of after an hour of encoding.
+
+Ids: every file must hold them as one Arrow type (int32 and int64 are two types: the output
+keeps the input's id type, and parts of two types break reading ``vectors/`` and later
+incremental runs). Null ids are never duplicates; under ``skip`` and ``embed_empty`` the worker
+skips their rows (``embedpipe/io/rows.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from embedpipe.config import JobError, JobSpec
 from embedpipe.io.formats import UnitReader, plan_input
+from embedpipe.io.rows import null_id_error
 from embedpipe.units import InputError, Unit
 
 MAX_LISTED = 5  # duplicate ids named in an error message
@@ -40,7 +48,7 @@ def preflight(job: JobSpec) -> Plan:
     inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
-                                         policy=job.input.on_duplicate_id)
+                                         policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
     return Plan(files=inputs.files, units=units,
                 model_dir=check_model_dir(job.model.path, allow_pickle=job.model.allow_pickle), duplicate_rows=dropped)
 
@@ -112,14 +120,23 @@ def check_current(root: Path) -> None:
                    f"versions: {listed or 'none'}", fix)
 
 
-def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str,
-                        policy: str) -> tuple[list[Unit], int]:
-    """Find ids seen more than once (in input order); error, or mark later copies to drop."""
-    keys, owners = [], []  # per unit: [n, 2] uint64 keys; (unit index, local row) of each key
+def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str, policy: str,
+                        on_bad_row: str = "error") -> tuple[list[Unit], int]:
+    """Find ids seen more than once (in input order); error, or mark later copies to drop.
+
+    On the same read of every unit's ids: one id type across the input, and no null id under
+    ``on_bad_row: error``. Null ids are left out of the duplicate search."""
+    keys, owners = [], []  # per unit: [n, 2] uint64 keys of its non-null ids; (unit index, local row) of each
+    first: tuple[str, pa.DataType] | None = None  # the first unit's file and id type
     for u, unit in enumerate(units):
-        ids = reader.columns(unit, [id_column]).column(0)
-        keys.append(_id_keys(ids.combine_chunks()))
-        owners.append(np.stack([np.full(len(ids), u), np.arange(len(ids))], axis=1))
+        ids = reader.columns(unit, [id_column]).column(0).combine_chunks()
+        first = first or (unit.file, ids.type)
+        _check_id_type(first, unit.file, ids.type, id_column=id_column)
+        valid = ~ids.is_null().to_numpy(zero_copy_only=False)
+        if on_bad_row == "error" and not valid.all():
+            raise null_id_error(unit.file, unit.row_start + int(np.flatnonzero(~valid)[0]))
+        keys.append(_id_keys(ids)[valid])
+        owners.append(np.stack([np.full(len(ids), u), np.arange(len(ids))], axis=1)[valid])
     if not keys:
         return units, 0
     key = np.concatenate(keys)  # [N, 2]
@@ -145,10 +162,20 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
     return units, len(dup_rows)
 
 
+def _check_id_type(first: tuple[str, pa.DataType], file: str, id_type: pa.DataType, *, id_column: str) -> None:
+    first_file, first_type = first
+    if id_type != first_type:
+        raise InputError(f"input ids of two types: {first_file} holds {id_column!r} as {first_type}, {file} as "
+                         f"{id_type}: cast the ids to one type in every file (the output keeps the ids' type)")
+
+
 def _id_keys(ids: pa.Array) -> np.ndarray:
-    """Two uint64 words per id: the value itself for integers, else 128 bits of blake2b of its text."""
-    if pa.types.is_integer(ids.type) and ids.null_count == 0:
-        values = ids.to_numpy().astype(np.int64).view(np.uint64)
+    """Two uint64 words per id: the value itself for integers, else 128 bits of blake2b of its text.
+
+    Each id is keyed by its value alone, so a null elsewhere in the unit changes no key; a null
+    row gets a key too (callers leave it out)."""
+    if pa.types.is_integer(ids.type):
+        values = pc.fill_null(ids, 0).to_numpy().astype(np.int64).view(np.uint64)
         return np.stack([values, np.zeros_like(values)], axis=1)
     digests = b"".join(hashlib.blake2b(_id_bytes(v), digest_size=16).digest() for v in ids.to_pylist())
     return np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2)

@@ -23,7 +23,7 @@ class Unit:
     num_rows: int
     drop_rows: tuple[int, ...] = ()  # rows (unit-local) removed as duplicate ids (input.on_duplicate_id: keep_first)
     format: str = "parquet"  # the input.format that reads it (never "auto")
-    row_start: int = 0  # row-range formats: rows [row_start, row_start + num_rows) of the file
+    row_start: int = 0  # the unit holds rows [row_start, row_start + num_rows) of the file
     byte_start: int = 0  # JSONL/CSV: the bytes [byte_start, byte_end) holding exactly those rows
     byte_end: int = 0
 
@@ -60,12 +60,13 @@ def plan_units(files: list[str], *, unit_rows: int) -> list[Unit]:
                 meta = pf.metadata
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
-        start, rows = 0, 0
+        start, rows, first_row = 0, 0, 0
         for rg in range(meta.num_row_groups):
             rows += meta.row_group(rg).num_rows
             last = rg == meta.num_row_groups - 1
             if rows >= unit_rows or last:
                 if rows:
-                    units.append(Unit(f"{file_index:05d}-{start:05d}", file, tuple(range(start, rg + 1)), rows))
-                start, rows = rg + 1, 0
+                    units.append(Unit(f"{file_index:05d}-{start:05d}", file, tuple(range(start, rg + 1)), rows,
+                                      row_start=first_row))
+                start, rows, first_row = rg + 1, 0, first_row + rows
     return units

@@ -26,8 +26,8 @@ import pyarrow as pa
 from embedpipe.config import InputConfig
 from embedpipe.io import fs
 from embedpipe.io.hf import ArrowShardReader, dataset_files, is_saved_dataset, plan_arrow_units
-from embedpipe.io.reader import ParquetReader, check_columns, is_text_type
-from embedpipe.io.rows import ScreenedRows
+from embedpipe.io.reader import ParquetReader, check_columns
+from embedpipe.io.rows import ScreenedRows, is_text_type
 from embedpipe.io.textfiles import TextFileReader, plan_text_units
 from embedpipe.units import InputError, Unit, list_files, plan_units
 

@@ -1,7 +1,8 @@
 """Read one work unit's ids and texts from Parquet (only the two columns, only its row groups).
 
 ``screen_unit`` is the one bad-row screening every input format's reader ends with
-(``embedpipe/io/formats.py``); each reader's ``columns(unit, names)`` gives the raw rows.
+(``embedpipe/io/formats.py``); each reader's ``columns(unit, names)`` gives the raw rows, and
+fails naming the unit and both counts when they are not exactly the rows planning counted.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import pyarrow.parquet as pq
 from embedpipe.io import fs
 from embedpipe.io.rows import ScreenedRows, screen_rows
 from embedpipe.units import InputError, Unit
-
-TEXT_TYPES = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary)
 
 
 def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetFile:
@@ -31,14 +30,11 @@ def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetF
     return pf
 
 
-def is_text_type(tp: pa.DataType) -> bool:
-    return any(check(tp) for check in TEXT_TYPES)
-
-
 class ScreeningReader:
     """Built once per worker; called per unit: the unit's rows, screened by the bad-row policy.
 
-    Each input format says only how to read a unit's columns (``columns``)."""
+    Each input format says only how to read a unit's columns (``read``); ``columns`` checks that
+    it gave exactly the rows planning counted, so no unit writes a short (or long) part."""
 
     def __init__(self, *, text_column: str, id_column: str, on_bad_row: str = "error"):
         self.text_column, self.id_column, self.on_bad_row = text_column, id_column, on_bad_row
@@ -48,17 +44,25 @@ class ScreeningReader:
                            id_column=self.id_column, on_bad_row=self.on_bad_row)
 
     def columns(self, unit: Unit, names: list[str]) -> pa.Table:
+        """The unit's rows, these columns only, unscreened (preflight reads the ids this way)."""
+        table = self.read(unit, list(dict.fromkeys(names)))
+        if table.num_rows != unit.num_rows:
+            raise InputError(f"{unit.label}: read {table.num_rows} rows where planning counted {unit.num_rows}: "
+                             f"the input changed after the job was planned; run the job again on a settled copy")
+        return table
+
+    def read(self, unit: Unit, names: list[str]) -> pa.Table:
+        """The unit's rows, these (distinct) columns only."""
         raise NotImplementedError
 
 
 class ParquetReader(ScreeningReader):
     """Parquet: the unit's row groups."""
 
-    def columns(self, unit: Unit, names: list[str]) -> pa.Table:
-        """The unit's rows, these columns only, unscreened (preflight reads the ids this way)."""
+    def read(self, unit: Unit, names: list[str]) -> pa.Table:
         with check_columns(unit.file, text_column=self.text_column, id_column=self.id_column) as pf:
             try:
-                return pf.read_row_groups(list(unit.row_groups), columns=list(dict.fromkeys(names)))
+                return pf.read_row_groups(list(unit.row_groups), columns=names)
             except Exception as exc:  # a corrupt page shows only when read
                 raise InputError(f"{unit.label}: cannot read ({exc}): replace or remove the file") from exc
 
@@ -69,4 +73,4 @@ def screen_unit(table: pa.Table, unit: Unit, *, text_column: str, id_column: str
     drop = np.zeros(len(ids), dtype=bool)
     drop[list(unit.drop_rows)] = True
     return screen_rows(ids, table.column(text_column).combine_chunks(), policy=on_bad_row,
-                       drop=drop, where=f"{unit.file} ({unit.label})")
+                       drop=drop, where=f"{unit.file} ({unit.label})", row_start=unit.row_start)
