@@ -317,7 +317,8 @@ def test_disk_full_then_resume(tmp_path, finished, small_disk, models, corpus):
     ballast.write_bytes(b"\0" * (free - 8 * 4096 - part_bytes))  # room for the run's small files and one part
     failed = _run(_job(tmp_path, corpus=corpus, model=models[0], out=out))
     assert failed.exit_code == 4
-    print(_error_line(failed))
+    line = _error_line(failed)
+    assert "No space left" in line and "rerun the same command" in line and "remove that file" not in line
     assert len(list((out / "_manifest" / "units").glob("*.json"))) >= 1  # it failed mid-run, not at the start
     ballast.unlink()  # the operator frees space and reruns the same command
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)

@@ -314,7 +314,7 @@ def _on_shard_workers(job: JobSpec, context: ShardContext, parts: list[Part]):
     import ray
 
     from embedpipe.cluster.connect import connect, plan_workers
-    from embedpipe.cluster.scheduler import Scheduler
+    from embedpipe.cluster.scheduler import Liveness, Scheduler
 
     started = connect(job.cluster)
     try:
@@ -322,7 +322,8 @@ def _on_shard_workers(job: JobSpec, context: ShardContext, parts: list[Part]):
         ref = ray.put(context)
         actor_cls = ray.remote(ShardWorker).options(num_cpus=workers.cpus_per_worker, max_restarts=0)
         scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(ref), workers=min(workers.workers, len(parts)),
-                              max_attempts=job.cluster.max_attempts, on_error="fail")  # a lost shard = a wrong index
+                              max_attempts=job.cluster.max_attempts, on_error="fail",  # a lost shard = a wrong index
+                              liveness=Liveness.from_config(job.cluster), resources={"CPU": workers.cpus_per_worker})
         yield from scheduler.run(parts)
     finally:
         if started:
