@@ -63,12 +63,14 @@ class InputConfig:
         "auto", "auto: a `save_to_disk` folder is huggingface, files go by extension (.parquet, .jsonl/.ndjson, .csv).")
     split: str | None = opt(None, "huggingface: the split of a DatasetDict or cached dataset; null: the only split.")
     text_column: str = opt("text", "Column holding the text to embed.")
-    id_column: str = opt("id", "Column holding each row's id; its type is kept in the output.")
+    id_column: str = opt("id", "Column holding each row's id; its type is kept in the output, and must be one type "
+                               "across all input files.")
     unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows "
                                  "(Parquet); other formats cut each file every this many rows.")
     on_bad_row: Literal["error", "skip", "embed_empty"] = opt(
-        "error", "A row whose text is null, empty, not text or not valid UTF-8: error stops the run naming the row; "
-                 "skip writes no vector and lists the id in `<output.path>/skipped.parquet`; embed_empty embeds ''.")
+        "error", "A row whose text is null, empty, not text or not valid UTF-8, or whose id is null: error stops the run "
+                 "naming the row; skip writes no vector and lists the id in `<output.path>/skipped.parquet`; "
+                 "embed_empty embeds '' (a row with a null id is skipped under both).")
     on_duplicate_id: Literal["error", "keep_first"] = opt(
         "error", "An id seen twice in the input: error stops before encoding; keep_first embeds the first "
                  "occurrence (input order) and lists the others in skipped.parquet.")
