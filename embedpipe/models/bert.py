@@ -121,7 +121,6 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     config_class: ClassVar[type] = BertConfig
     default_pooling: ClassVar[str] = "mean"  # when the directory has no Pooling module
-    causal: ClassVar[bool] = False
 
     # checkpoint name prefixes removed before WEIGHT_MAP lookup (BertForX / RobertaModel dumps)
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("bert.", "roberta.", "model.")

@@ -153,7 +153,6 @@ class ModernBertEmbeddings(nn.Module):
 @register("modernbert")
 class ModernBertModel(nn.Module):
     config_class: ClassVar[type] = ModernBertConfig
-    causal: ClassVar[bool] = False
 
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("model.",)  # ModernBertForX dumps
     # checkpoint name -> ours (see BertModel.WEIGHT_MAP for the notation)

@@ -166,7 +166,6 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: Qwen3Config, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
         self.config = config
-        self.causal = config.causal
         # when the directory has no Pooling module: only the last token has seen a causal sequence whole
         self.default_pooling = "last" if config.causal else "mean"
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
