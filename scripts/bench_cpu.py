@@ -206,8 +206,8 @@ def main() -> int:
         return memory_only(args)
     import torch
 
-    from embedpipe.models import load_model
     from embedpipe.models.resolve import resolve_model_path
+    from embedpipe.report.flops import flops_per_token_from_config, read_model_config
     from embedpipe.text.tokenizer import TextTokenizer
 
     torch.set_num_threads(args.threads)
@@ -238,9 +238,11 @@ def main() -> int:
         c.vectors = np.concatenate([c.run(chunk) for chunk in chunks])
     time_interleaved(contenders, chunks, repeats=args.repeats)
 
-    # model FLOPs: per token at each sequence's own length, over the corpus
-    loaded = load_model(model_dir, device="cpu")
-    flops = float(sum(loaded.flops_per_token(int(n)) * int(n) for n in lengths)) / real_tokens
+    # model FLOPs: per token at each sequence's own length, over the corpus (the family's rule, no weights)
+    config_json = read_model_config(str(model_dir))
+    values, counts = np.unique(lengths, return_counts=True)
+    flops = float(sum(flops_per_token_from_config(config_json, int(n)) * int(n) * int(c)
+                      for n, c in zip(values, counts))) / real_tokens
     measured = {"float32": matmul_rate(torch.float32), "bfloat16": matmul_rate(torch.bfloat16)}
     rates = {dt: max(r.values()) for dt, r in measured.items()}  # the machine's best matmul rate per dtype
     st_padded = sum(int(lengths[b].max()) * len(b) for b in _st_batches(texts, best_bs))

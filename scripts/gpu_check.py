@@ -28,7 +28,7 @@ the same sequences, already tokenized. Per model:
                embedpipe eager        bf16, packed batches (max_tokens), exact shapes, no graphs
                embedpipe graphed      bf16, bucketed shapes, one CUDA graph per bucket (captured
                                       in an untimed first pass)
-  MFU        model FLOPs of the real tokens (the model's flops_per_token) per second, over the
+  MFU        model FLOPs of the real tokens (the family's rule, embedpipe/report/flops.py) per second, over the
              measured bf16 matmul rate of this GPU (8192^3, not the datasheet)
 
 Targets (H100/H200 class): embedpipe graphed >= 3x sentence-transformers on MiniLM at the mixed
@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from embedpipe.kernels import select_backend  # noqa: E402
 from embedpipe.models import build_head, load_state_dict_into, model_class  # noqa: E402
-from embedpipe.models.layers import attention_flops, matmul_params  # noqa: E402
 from embedpipe.models.st import STSpec  # noqa: E402
+from embedpipe.report.flops import flops_per_token_from_config  # noqa: E402
 from embedpipe.runtime.buckets import Bucketer  # noqa: E402
 from embedpipe.runtime.graphs import CudaGraphs, EagerGraphs, GraphCache  # noqa: E402
 from embedpipe.runtime.runners import DeviceRunner, EagerRunner  # noqa: E402
@@ -194,18 +194,10 @@ def sentence_transformer(hf_bf16, spec: Spec, *, device: str, folder: Path):
     return SentenceTransformer(modules=modules, device=device).to(torch.bfloat16).eval()
 
 
-def flops_per_token(model, hf_config, seq_len: int) -> float:
-    if hasattr(model, "flops_per_token"):
-        return float(model.flops_per_token(seq_len))
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return 2.0 * matmul_params(model) + attention_flops(layers=hf_config.num_hidden_layers, heads=heads,
-                                                        head_dim=head_dim, context=seq_len)
-
-
-def model_flops(model, hf_config, lengths: np.ndarray) -> float:
+def model_flops(config_json: dict, lengths: np.ndarray) -> float:
+    """Model FLOPs of these sequences: each at its own length, by the family's rule (report/flops.py)."""
     values, counts = np.unique(lengths, return_counts=True)
-    return float(sum(int(L) * int(c) * flops_per_token(model, hf_config, int(L)) for L, c in zip(values, counts)))
+    return float(sum(int(L) * int(c) * flops_per_token_from_config(config_json, int(L)) for L, c in zip(values, counts)))
 
 
 # --------------------------------------------------------------------------- timing
@@ -325,7 +317,8 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     sub_batches = packer(sub)
 
     hf = hf_model(spec, device=dev)
-    hf_config = hf.config
+    config_json = hf.config.to_dict()
+    flops = model_flops(config_json, mixed.lengths)  # one count for every engine: the family's rule
     ref_model, ref_head = embedpipe_model(hf, spec, dtype=torch.float32, device=dev, backend="sdpa")
     ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), sub_batches, spec.parity)
 
@@ -354,11 +347,9 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     speeds: dict = {}
     row["speed"] = speeds
     tokens = int(mixed.lengths.sum())
-    flops = None
     batches = packer(mixed)
 
     if graphed is not None:
-        flops = model_flops(fast_model, hf_config, mixed.lengths)
         with steps("replay vs eager"):
             eager_padded = run_batches(engine(fast_model, fast_head, plan=plan, graphed=False, bucketed=True),
                                        sub_batches, spec.parity)
@@ -383,7 +374,7 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
                 seconds = timed(lambda: run_engine(graphed, long_batches), dev)
                 row["long"] = {"seq_len": plan.max_len, "sequences": spec.long,
                                "tokens_per_s": int(lengths.sum()) / seconds,
-                               "mfu": model_flops(fast_model, hf_config, lengths) / seconds / peak}
+                               "mfu": model_flops(config_json, lengths) / seconds / peak}
         del fast_model, fast_head, graphed
 
     padded = {bs: padded_batches(mixed, bs) for bs in spec.batch_sizes}
@@ -401,11 +392,9 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
             st = sentence_transformer(hf_bf16, spec, device=dev, folder=workdir / spec.name.split()[0])
             speeds["sentence_transformers"] = sweep(st_forward(st), padded, tokens, dev)
             del st
-    if flops is None:  # the engine failed: count the transformers model's matmuls instead
-        flops = model_flops(hf_bf16, hf_config, mixed.lengths)
     del hf_bf16
     for s in speeds.values():
-        if "tokens_per_s" in s and flops is not None:
+        if "tokens_per_s" in s:
             s["mfu"] = flops / tokens * s["tokens_per_s"] / peak
     st_speed = speeds.get("sentence_transformers", {}).get("tokens_per_s")
     ours = speeds.get("embedpipe_graphed", {}).get("tokens_per_s")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from embedpipe.kernels import attention
-from embedpipe.models.layers import LayerNorm, activation, attention_flops, matmul_params
+from embedpipe.models.layers import LayerNorm, activation, attention_flops
 from embedpipe.models.registry import register
 
 
@@ -40,6 +40,22 @@ class BertConfig:
     def max_seq_len(self) -> int:
         """Longest sequence the position table covers (RoBERTa loses its offset rows)."""
         return self.max_positions - self.position_offset
+
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: qkv 3h^2, out h^2, up and down 2hi per layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + 2 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * layers * hidden * seq_len (QK^T and PV, bidirectional: every query
+        sees seq_len keys). Not counted: embedding lookups, biases, LayerNorm, GELU, softmax.
+        BERT-base, seq 512: 2 * 12 * (4*768^2 + 2*768*3072) + 4 * 12 * 768 * 512 = 188.7 MFLOP/token.
+        """
+        return 2.0 * self.linear_weights + attention_flops(
+            layers=self.num_layers, heads=self.num_heads, head_dim=self.head_dim, context=seq_len)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> BertConfig:
@@ -174,15 +190,6 @@ class BertModel(nn.Module):
             x = layer(x, cu_seqlens, max_seqlen)  # [T, hidden]
         return x
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: qkv, out, up, down = 4h^2 + 2hi per layer)
-        + 4 * layers * hidden * seq_len (QK^T and PV, bidirectional: every query sees seq_len keys).
-        Not counted: embedding lookups, biases, LayerNorm, GELU, softmax (O(T * hidden) or O(L^2 * H)).
-        BERT-base, seq 512: 2 * 12 * (4*768^2 + 2*768*3072) + 4 * 12 * 768 * 512 = 188.7 MFLOP/token.
-        """
-        c = self.config
-        return 2.0 * matmul_params(self.layers) + attention_flops(
-            layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=seq_len
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, BertConfig.flops_per_token."""
+        return self.config.flops_per_token(seq_len)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import attention
 from embedpipe.models.layers import (
-    LayerNorm, activation, apply_rotary, attention_flops, matmul_params, rotary_cos_sin,
+    LayerNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
 from embedpipe.models.registry import register
 
@@ -61,6 +61,25 @@ class ModernBertConfig:
     @property
     def max_seq_len(self) -> int:
         return self.max_positions
+
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: Wqkv 3h^2, Wo h^2, Wi 2hi, Wo hi per layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + 3 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * hidden * context per layer (QK^T and PV), bidirectional: context =
+        seq_len on global layers and min(seq_len, 2w + 1) on local layers (w = local_attention // 2;
+        the few queries within w of a sequence edge see fewer keys, which this upper bound ignores).
+        Not counted: embedding lookup, LayerNorm, GELU, RoPE, softmax.
+        """
+        local = min(seq_len, 2 * self.local_window + 1)
+        contexts = [seq_len if t == GLOBAL else local for t in self.layer_types]
+        return 2.0 * self.linear_weights + sum(
+            attention_flops(layers=1, heads=self.num_heads, head_dim=self.head_dim, context=n) for n in contexts)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModernBertConfig:
@@ -206,18 +225,6 @@ class ModernBertModel(nn.Module):
             x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: Wqkv, Wo, Wi, Wo = 4h^2 + 3hi per layer)
-        + 4 * hidden * context per layer (QK^T and PV), bidirectional: context = seq_len on global
-        layers and min(seq_len, 2w + 1) on local layers (w = local_attention // 2; the few queries
-        within w of a sequence edge see fewer keys, which this upper bound ignores).
-        Not counted: embedding lookup, LayerNorm, GELU, RoPE, softmax.
-        """
-        c = self.config
-        local = min(seq_len, 2 * c.local_window + 1)
-        contexts = [seq_len if t == GLOBAL else local for t in c.layer_types]
-        return 2.0 * matmul_params(self.layers) + sum(
-            attention_flops(layers=1, heads=c.num_heads, head_dim=c.head_dim, context=n) for n in contexts
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, ModernBertConfig.flops_per_token."""
+        return self.config.flops_per_token(seq_len)

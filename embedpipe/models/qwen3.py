@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import attention
 from embedpipe.models.layers import (
-    RMSNorm, activation, apply_rotary, attention_flops, matmul_params, rotary_cos_sin,
+    RMSNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
 from embedpipe.models.registry import register
 
@@ -60,6 +60,25 @@ class Qwen3Config:
     @property
     def max_seq_len(self) -> int:
         return self.max_positions
+
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer."""
+        h, i, D = self.hidden_size, self.intermediate_size, self.head_dim
+        return self.num_layers * (2 * h * (self.num_heads + self.num_kv_heads) * D + 3 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees
+        (seq_len + 1) / 2 keys on average (query i sees i + 1 keys); bidirectional: seq_len.
+        Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
+        Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
+        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256.5 = 939.6 MFLOP/token.
+        """
+        context = (seq_len + 1) / 2 if self.causal else seq_len
+        return 2.0 * self.linear_weights + attention_flops(
+            layers=self.num_layers, heads=self.num_heads, head_dim=self.head_dim, context=context)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Qwen3Config:
@@ -187,19 +206,6 @@ class Qwen3Model(nn.Module):
             x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer)
-        + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees (seq_len + 1) / 2 keys on
-        average (query i sees i + 1 keys); bidirectional: seq_len. Same convention as
-        embedpipe.report.flops.flops_per_token_from_config.
-        Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
-        Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
-        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256.5 = 939.6 MFLOP/token.
-        """
-        c = self.config
-        context = (seq_len + 1) / 2 if c.causal else seq_len
-        return 2.0 * matmul_params(self.layers) + attention_flops(
-            layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=context
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, Qwen3Config.flops_per_token."""
+        return self.config.flops_per_token(seq_len)
