@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
+from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import LayerNorm, activation, attention_flops
 from embedpipe.models.registry import register
 
@@ -102,10 +102,11 @@ class BertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend)  # [T, H, D]
+        o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend,
+                      plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
 
 
@@ -128,8 +129,8 @@ class BertLayer(nn.Module):
         self.mlp = BertMLP(cfg)
         self.mlp_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = self.attn_norm(x + self.attn(x, cu_seqlens, max_seqlen))  # [T, hidden]
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+        x = self.attn_norm(x + self.attn(x, cu_seqlens, max_seqlen, plan))  # [T, hidden]
         return self.mlp_norm(x + self.mlp(x))  # [T, hidden]
 
 
@@ -172,7 +173,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config: BertConfig, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
+        self.config, self.attention_backend = config, attention_backend
         self.embed = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config, attention_backend) for _ in range(config.num_layers))
 
@@ -185,9 +186,10 @@ class BertModel(nn.Module):
         return self.config.max_seq_len
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids, positions)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x
 
     def flops_per_token(self, seq_len: float) -> float:

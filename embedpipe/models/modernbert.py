@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
+from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
     LayerNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
@@ -124,12 +124,12 @@ class ModernBertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [T, H, D]
         o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=self.window,
-                      backend=self.backend)  # [T, H, D]
+                      backend=self.backend, plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
 
 
@@ -154,8 +154,9 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp = GeGLU(cfg)
 
-    def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen)  # [T, hidden]
+    def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int,
+                plan: Any) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
 
 
@@ -200,7 +201,7 @@ class ModernBertModel(nn.Module):
 
     def __init__(self, config: ModernBertConfig, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
+        self.config, self.attention_backend = config, attention_backend
         self.default_pooling = config.pooling  # when the directory has no Pooling module
         self.embed = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i, attention_backend) for i in range(config.num_layers))
@@ -220,9 +221,10 @@ class ModernBertModel(nn.Module):
             GLOBAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.global_rope_theta),  # 2 x [T, 1, D/2]
             LOCAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.local_rope_theta),
         }
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
     def flops_per_token(self, seq_len: float) -> float:

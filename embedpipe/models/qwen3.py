@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
+from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
     RMSNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
@@ -119,13 +119,13 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T, H, Hkv, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H*D], 2 x [T, Hkv*D]
         q = apply_rotary(self.q_norm(q.view(T, H, D)), *rope)  # [T, H, D]
         k = apply_rotary(self.k_norm(k.view(T, Hkv, D)), *rope)  # [T, Hkv, D]
         o = attention(q, k, v.view(T, Hkv, D), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=self.causal,
-                      backend=self.backend)  # [T, H, D]
+                      backend=self.backend, plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, H * D))  # [T, hidden]
 
 
@@ -149,8 +149,8 @@ class Qwen3Layer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen)  # [T, hidden]
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
 
 
@@ -184,7 +184,7 @@ class Qwen3Model(nn.Module):
 
     def __init__(self, config: Qwen3Config, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
+        self.config, self.attention_backend = config, attention_backend
         # when the directory has no Pooling module: only the last token has seen a causal sequence whole
         self.default_pooling = "last" if config.causal else "mean"
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -201,9 +201,10 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta)  # 2 x [T, 1, D/2]
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
     def flops_per_token(self, seq_len: float) -> float:
