@@ -4,7 +4,7 @@ Same corpus (a seeded sample of Linux kernel docs paragraphs), same model (the p
 all-MiniLM-L6-v2), same torch thread count. Prints, for sentence-transformers at its best batch
 size and for our engine in float32 and bfloat16: real (unpadded) tokens per second, the ratio to
 sentence-transformers, peak memory, cosine against sentence-transformers' vectors, and model-FLOPs
-utilisation against this machine's measured fp32 / bf16 matmul rate.
+utilisation against this machine's measured fp32 / bf16 matmul rate (the report's probe, embedpipe/report/bench.py).
 
 The machine may be shared, so absolute timings are noisy: the corpus is cut into chunks and the
 contenders run interleaved on each chunk, several times; each (contender, chunk) keeps its best
@@ -103,29 +103,6 @@ def time_interleaved(contenders: list[Contender], chunks: list[list[str]], *, re
             f"{k.name} {sum(k.best.values()):.1f}s" for k in contenders), file=sys.stderr, flush=True)
 
 
-def matmul_rate(dtype, *, m: int = 8192, k: int = 384, n: int = 1536, seconds: float = 1.0) -> dict[str, float]:
-    """Best FLOP/s of a [m, k] x [k, n] linear at the model's own shape (tokens x hidden x
-    intermediate), through torch (MKL for fp32, oneDNN for bf16) and through oneDNN directly."""
-    import torch
-
-    a, w, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
-    from embedpipe.runtime.cpu import onednn_linear_works
-
-    ways = {"torch": lambda: torch.nn.functional.linear(a, w, b)}
-    if onednn_linear_works(dtype):  # bfloat16 has no oneDNN kernel on an AVX2-only CPU
-        ways["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, w, b, "none", [], "")
-    rates = {}
-    for name, f in ways.items():
-        f()
-        best, until = float("inf"), time.perf_counter() + seconds
-        while time.perf_counter() < until:
-            start = time.perf_counter()
-            f()
-            best = min(best, time.perf_counter() - start)
-        rates[name] = 2.0 * m * k * n / best
-    return rates
-
-
 def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a, b = a.astype(np.float64), b.astype(np.float64)
     return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
@@ -206,8 +183,9 @@ def main() -> int:
         return memory_only(args)
     import torch
 
-    from embedpipe.models import load_model
     from embedpipe.models.resolve import resolve_model_path
+    from embedpipe.report.bench import matmul_peak, model_flops
+    from embedpipe.report.flops import read_model_config
     from embedpipe.text.tokenizer import TextTokenizer
 
     torch.set_num_threads(args.threads)
@@ -238,11 +216,10 @@ def main() -> int:
         c.vectors = np.concatenate([c.run(chunk) for chunk in chunks])
     time_interleaved(contenders, chunks, repeats=args.repeats)
 
-    # model FLOPs: per token at each sequence's own length, over the corpus
-    loaded = load_model(model_dir, device="cpu")
-    flops = float(sum(loaded.flops_per_token(int(n)) * int(n) for n in lengths)) / real_tokens
-    measured = {"float32": matmul_rate(torch.float32), "bfloat16": matmul_rate(torch.bfloat16)}
-    rates = {dt: max(r.values()) for dt, r in measured.items()}  # the machine's best matmul rate per dtype
+    # model FLOPs: per token at each sequence's own length, over the corpus (the family's rule, no weights)
+    flops = model_flops(read_model_config(str(model_dir)), lengths) / real_tokens
+    # the machine's best matmul rate per dtype: the report's probe (torch and oneDNN, square matmuls)
+    rates = {dt: matmul_peak("cpu", dt) for dt in ("float32", "bfloat16")}
     st_padded = sum(int(lengths[b].max()) * len(b) for b in _st_batches(texts, best_bs))
     peaks = {kind: peak_memory(kind, args, st_batch_size=best_bs) for kind in MEMORY_RUNS}
 
@@ -260,11 +237,11 @@ def main() -> int:
             "peak_mib": None if peak is None else round(peak / 2**20, 1), "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
             "mfu": round(tps * flops / rates[dt], 4), "matmul_dtype": dt,
         })
-    print_table(results, flops=flops, rates=measured, padded_fraction=1 - real_tokens / st_padded, args=args,
+    print_table(results, flops=flops, rates=rates, padded_fraction=1 - real_tokens / st_padded, args=args,
                 rows=len(texts), tokens=real_tokens)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                                         "flops_per_token": flops, "matmul_flops": measured,
+                                         "flops_per_token": flops, "matmul_flops": rates,
                                          "st_batch_size": best_bs}, indent=2))
     return 0
 
@@ -279,9 +256,9 @@ def print_table(results: list[dict], *, flops: float, rates: dict, padded_fracti
                 tokens: int) -> None:
     print(f"\n{rows:,} rows, {tokens:,} real tokens, {args.threads} threads; sentence-transformers pads "
           f"{padded_fraction:.0%} of the tokens it computes at its best batch size")
-    rate = "; ".join(f"{dt}: " + ", ".join(f"{way} {r / 1e9:.0f}" for way, r in ways.items()) for dt, ways in rates.items())
+    rate = ", ".join(f"{dt} {r / 1e9:.0f}" for dt, r in rates.items())
     print(f"model: {flops / 1e6:.1f} MFLOP/token (all-MiniLM-L6-v2, token-weighted over the sample); "
-          f"measured matmul GFLOP/s, [8192, 384] x [384, 1536]: {rate}; MFU is against the best of each dtype\n")
+          f"measured matmul GFLOP/s (the report's probe: the best of torch and oneDNN): {rate}\n")
     print("| contender | real tokens/s | × sentence-transformers | tokens per CPU-second | peak memory | cos vs ST (min / mean) | MFU (vs matmul rate) |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in results:

@@ -28,13 +28,12 @@ the same sequences, already tokenized. Per model:
                embedpipe eager        bf16, packed batches (max_tokens), exact shapes, no graphs
                embedpipe graphed      bf16, bucketed shapes, one CUDA graph per bucket (captured
                                       in an untimed first pass)
-  MFU        model FLOPs of the real tokens (the model's flops_per_token) per second, over the
-             measured bf16 matmul rate of this GPU (8192^3, not the datasheet)
+  MFU        model FLOPs of the real tokens (the family's rule, embedpipe/report/flops.py) per second, over the
+             measured bf16 matmul rate of this GPU (report/device.py's probe, 4096^3 and 8192^3, not the datasheet)
 
 Targets (H100/H200 class): embedpipe graphed >= 3x sentence-transformers on MiniLM at the mixed
-lengths; >= 50 % MFU on Qwen3-0.6B at 512-token inputs. A row whose model family is not in
-embedpipe's registry (qwen3 before the models-arch branch lands) is skipped with a note; any
-other failure is recorded in its row and the run goes on.
+lengths; >= 50 % MFU on Qwen3-0.6B at 512-token inputs. A failure is recorded in its row and
+the run goes on.
 """
 
 from __future__ import annotations
@@ -60,11 +59,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 from embedpipe.kernels import select_backend  # noqa: E402
-from embedpipe.models import MODEL_REGISTRY, build_head, load_state_dict_into, model_class  # noqa: E402
-from embedpipe.models.layers import attention_flops, matmul_params  # noqa: E402
-from embedpipe.models.st import STSpec  # noqa: E402
-from embedpipe.runtime.buckets import Bucketer  # noqa: E402
-from embedpipe.runtime.graphs import CudaGraphs, EagerGraphs, GraphCache  # noqa: E402
+from embedpipe.report.bench import bench_runner, matmul_peak, model_flops, packed_model  # noqa: E402
 from embedpipe.runtime.runners import DeviceRunner, EagerRunner  # noqa: E402
 from embedpipe.runtime.warmup import compare, run_batches  # noqa: E402
 from embedpipe.text.packer import TokenPacker  # noqa: E402
@@ -93,7 +88,7 @@ class Plan:
     specs: list[Spec]
     max_len: int  # longest sequence; also the engine's max_seq_len
     max_tokens: int  # engine token budget per batch
-    matmul_n: int
+    matmul_sizes: tuple[int, ...]  # square bf16 matmuls of the peak probe (report/device.py's)
     budget_s: float  # stop starting new measurements past this
     sentence_transformers: bool = True
     notes: list[str] = field(default_factory=list)
@@ -168,13 +163,8 @@ def hf_model(spec: Spec, *, device: str):
 
 
 def embedpipe_model(hf, spec: Spec, *, dtype: torch.dtype, device: str, backend: str):
-    cls = model_class(spec.model_type)
-    config = cls.config_class.from_hf_config(hf.config.to_dict())
-    with torch.device("meta"):
-        model = cls(config, attention_backend=backend)
-    load_state_dict_into(model, hf.state_dict(), dtype=dtype, device=device)
-    head = build_head(STSpec(pooling=spec.pooling, normalize=True), default_pooling=model.default_pooling).to(device)
-    return model, head
+    return packed_model(hf.config.to_dict(), hf.state_dict(), pooling=spec.pooling, dtype=dtype, device=device,
+                        backend=backend)
 
 
 def sentence_transformer(hf_bf16, spec: Spec, *, device: str, folder: Path):
@@ -195,20 +185,6 @@ def sentence_transformer(hf_bf16, spec: Spec, *, device: str, folder: Path):
     return SentenceTransformer(modules=modules, device=device).to(torch.bfloat16).eval()
 
 
-def flops_per_token(model, hf_config, seq_len: int) -> float:
-    if hasattr(model, "flops_per_token"):
-        return float(model.flops_per_token(seq_len))
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return 2.0 * matmul_params(model) + attention_flops(layers=hf_config.num_hidden_layers, heads=heads,
-                                                        head_dim=head_dim, context=seq_len)
-
-
-def model_flops(model, hf_config, lengths: np.ndarray) -> float:
-    values, counts = np.unique(lengths, return_counts=True)
-    return float(sum(int(L) * int(c) * flops_per_token(model, hf_config, int(L)) for L, c in zip(values, counts)))
-
-
 # --------------------------------------------------------------------------- timing
 
 
@@ -226,13 +202,8 @@ def timed(fn, device: str) -> float:
 
 
 def engine(model, head, *, plan: Plan, graphed: bool, bucketed: bool | None = None) -> DeviceRunner:
-    cache = None
-    if graphed:
-        backend = CudaGraphs(plan.device) if plan.device.startswith("cuda") else EagerGraphs()
-        cache = GraphCache(backend, max_graphs=64, max_bytes=16 << 30, warmup_runs=2)
-    return DeviceRunner(model, head, device=plan.device, bucketer=Bucketer(max_tokens=plan.max_tokens,
-                                                                           max_seq_len=plan.max_len),
-                        bucketed=graphed if bucketed is None else bucketed, graphs=cache)
+    return bench_runner(model, head, device=plan.device, max_tokens=plan.max_tokens, max_seq_len=plan.max_len,
+                        graphed=graphed, bucketed=bucketed)
 
 
 def run_engine(runner, batches) -> None:
@@ -277,22 +248,6 @@ def sweep(forward, padded: dict, tokens: int, device: str) -> dict:
     return {"tokens_per_s": per[best], "batch_size": best, "sweep": {str(k): round(v) for k, v in per.items()}}
 
 
-def matmul_rate(device: str, n: int) -> float:
-    """Measured dense bf16 matmul FLOP/s (the MFU denominator)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
-    out = a @ b
-    reps = 20 if device.startswith("cuda") else 3
-
-    def run() -> None:
-        for _ in range(reps):
-            torch.matmul(a, b, out=out)
-
-    seconds = timed(run, device)
-    return 2.0 * n**3 * reps / seconds
-
-
 # --------------------------------------------------------------------------- one model
 
 
@@ -316,10 +271,6 @@ class Steps:
 
 def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Path) -> dict:
     row: dict = {"model": spec.name, "model_type": spec.model_type}
-    if spec.model_type not in MODEL_REGISTRY:
-        row["skipped"] = (f"{spec.model_type!r} is not in embedpipe's model registry yet "
-                          f"(known: {sorted(MODEL_REGISTRY)}; it comes with the models-arch branch)")
-        return row
     dev, rng, steps = plan.device, np.random.default_rng(0), Steps(row)
     vocab = spec.config["vocab_size"]
     mixed = random_tokens(mixed_lengths(spec.mixed, max_len=plan.max_len, rng=rng), vocab=vocab, rng=rng)
@@ -330,7 +281,8 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     sub_batches = packer(sub)
 
     hf = hf_model(spec, device=dev)
-    hf_config = hf.config
+    config_json = hf.config.to_dict()
+    flops = model_flops(config_json, mixed.lengths)  # one count for every engine: the family's rule
     ref_model, ref_head = embedpipe_model(hf, spec, dtype=torch.float32, device=dev, backend="sdpa")
     ref = run_batches(EagerRunner(ref_model, ref_head, device=dev), sub_batches, spec.parity)
 
@@ -359,11 +311,9 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     speeds: dict = {}
     row["speed"] = speeds
     tokens = int(mixed.lengths.sum())
-    flops = None
     batches = packer(mixed)
 
     if graphed is not None:
-        flops = model_flops(fast_model, hf_config, mixed.lengths)
         with steps("replay vs eager"):
             eager_padded = run_batches(engine(fast_model, fast_head, plan=plan, graphed=False, bucketed=True),
                                        sub_batches, spec.parity)
@@ -388,7 +338,7 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
                 seconds = timed(lambda: run_engine(graphed, long_batches), dev)
                 row["long"] = {"seq_len": plan.max_len, "sequences": spec.long,
                                "tokens_per_s": int(lengths.sum()) / seconds,
-                               "mfu": model_flops(fast_model, hf_config, lengths) / seconds / peak}
+                               "mfu": model_flops(config_json, lengths) / seconds / peak}
         del fast_model, fast_head, graphed
 
     padded = {bs: padded_batches(mixed, bs) for bs in spec.batch_sizes}
@@ -406,11 +356,9 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
             st = sentence_transformer(hf_bf16, spec, device=dev, folder=workdir / spec.name.split()[0])
             speeds["sentence_transformers"] = sweep(st_forward(st), padded, tokens, dev)
             del st
-    if flops is None:  # the engine failed: count the transformers model's matmuls instead
-        flops = model_flops(hf_bf16, hf_config, mixed.lengths)
     del hf_bf16
     for s in speeds.values():
-        if "tokens_per_s" in s and flops is not None:
+        if "tokens_per_s" in s:
             s["mfu"] = flops / tokens * s["tokens_per_s"] / peak
     st_speed = speeds.get("sentence_transformers", {}).get("tokens_per_s")
     ours = speeds.get("embedpipe_graphed", {}).get("tokens_per_s")
@@ -431,8 +379,8 @@ def table(rows: list[dict]) -> str:
             "graphed/ST", "MFU graphed", "MFU long", "errors")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
-        if "skipped" in r or "speed" not in r:
-            lines.append(f"{r['model']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error')}"))
+        if "speed" not in r:
+            lines.append(f"{r['model']} | error: {r.get('error')}")
             continue
         s = r["speed"]
 
@@ -485,13 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new sweep starts")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
-        plan = Plan(device="cpu", specs=SMOKE_SPECS, max_len=128, max_tokens=512, matmul_n=256,
+        plan = Plan(device="cpu", specs=SMOKE_SPECS, max_len=128, max_tokens=512, matmul_sizes=(256,),
                     budget_s=args.budget or 120, notes=["cpu smoke: tiny sizes, graphs are the CPU stand-in"])
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --cpu-smoke for the CPU smoke test", file=sys.stderr)
             return 2
-        plan = Plan(device="cuda", specs=GPU_SPECS, max_len=512, max_tokens=8192, matmul_n=8192,
+        plan = Plan(device="cuda", specs=GPU_SPECS, max_len=512, max_tokens=8192, matmul_sizes=(4096, 8192),
                     budget_s=args.budget or 210)
     try:
         import sentence_transformers  # noqa: F401
@@ -500,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / "gpu_check.json"
     started = time.perf_counter()
     torch.manual_seed(0)
-    peak = matmul_rate(plan.device, plan.matmul_n)
+    peak = matmul_peak(plan.device, "bfloat16", sizes=plan.matmul_sizes)
     rows = []
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for spec in plan.specs:

@@ -1,6 +1,7 @@
 """The Python API: embed() in process gives the CLI's vectors; Job runs and submits jobs."""
 
 import dataclasses
+import inspect
 import json
 import os
 import subprocess
@@ -183,3 +184,13 @@ def test_job_from_yaml_errors_and_submit(tmp_path, monkeypatch):
     assert job.submit("ray://head:10001", progress=False) == "result"
     assert seen[0].cluster.address == "ray://head:10001" and seen[0].batching.max_tokens == 1024
     assert job.spec.cluster.address == ""  # submit leaves the job as it was
+
+
+def test_job_takes_every_section_of_the_schema():
+    """Job(...)'s keywords are the schema's sections: cost= (once rejected: they were listed by hand)."""
+    job = embedpipe.Job(input={"path": str(QUICKSTART)}, model=MODEL, output={"path": "o"},
+                        cost={"gpu_hour_usd": 2.5})
+    assert job.spec.cost.gpu_hour_usd == 2.5
+    assert set(inspect.signature(embedpipe.Job).parameters) >= set(SECTIONS)
+    with pytest.raises(JobError, match=r"Job\(\.\.\.\): costs: unknown section"):
+        embedpipe.Job(input={"path": str(QUICKSTART)}, model=MODEL, output={"path": "o"}, costs={})

@@ -1,12 +1,14 @@
-"""The CPU backends (sdpa, matmul): length groups planned once per batch, against the reference."""
+"""The CPU backends (sdpa, matmul): length groups planned once per forward, against the reference."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
 
 from embedpipe.kernels import attention
-from embedpipe.kernels.attention import _cpu_plan
+from embedpipe.kernels.attention import plan_groups
 from tests.test_kernels import CASES, packed_qkv
 
 # Unsorted, with long and short sequences and > 1024 tokens per group: several groups.
@@ -15,18 +17,46 @@ LENGTHS = (256, 7, 250, 3, 180, 120, 1, 64, 90, 256, 40, 33, 200, 17, 150, 60, 9
 
 def test_plan_groups_cover_every_token_once():
     cu = torch.nn.functional.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32)
-    plan = _cpu_plan(cu)
+    plan = plan_groups(cu)
     assert len(plan.groups) >= 3
     assert plan.slot.unique().numel() == sum(LENGTHS) and int(plan.slot.max()) < plan.rows
     assert sum(n for _, n, _, _ in plan.groups) == len(LENGTHS)
     lengths = [L for _, _, L, _ in plan.groups]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 256
-    assert _cpu_plan(cu) is plan  # the layers of one batch share the plan
-    assert _cpu_plan(cu.clone()) is not plan  # another batch gets its own
-    cu2 = cu.clone()
-    first = _cpu_plan(cu2)
-    cu2[1:] += 0  # an in-place write bumps the version: planned again
-    assert _cpu_plan(cu2) is not first
+
+
+TINY = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "intermediate_size": 48, "max_position_embeddings": 512}
+FAMILIES = {"bert": TINY, "qwen3": {**TINY, "num_key_value_heads": 2, "head_dim": 8},
+            "modernbert": {**TINY, "global_attn_every_n_layers": 2, "local_attention": 16}}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_forward_plans_once_and_hands_the_plan_to_every_layer(model_type, monkeypatch):
+    """No plan cached by tensor identity: each forward plans its batch once from cu_seqlens, every
+    layer's attention gets that plan, and the result is the reference backend's."""
+    from embedpipe.models import model_class
+
+    attn = importlib.import_module("embedpipe.kernels.attention")
+    built, seen = [], []
+    plan, matmul = attn.PLANNERS["matmul"], attn.BACKENDS["matmul"]
+    monkeypatch.setitem(attn.PLANNERS, "matmul", lambda cu: built.append(plan(cu)) or built[-1])
+    monkeypatch.setitem(attn.BACKENDS, "matmul", lambda *a, **kw: seen.append(kw["plan"]) or matmul(*a, **kw))
+    cls = model_class(model_type)
+    config = cls.config_class.from_hf_config({**FAMILIES[model_type], "model_type": model_type})
+    torch.manual_seed(0)
+    ours, ref = cls(config, attention_backend="matmul").eval(), cls(config, attention_backend="reference").eval()
+    ref.load_state_dict(ours.state_dict())
+    lengths = LENGTHS[:8]
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+    ids = torch.randint(1, 100, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.inference_mode():
+        out = ours(ids, positions, cu, max(lengths))
+        assert len(built) == 1 and len(seen) == 3 and all(p is built[0] for p in seen)
+        ours(ids, positions, cu, max(lengths))  # the same cu_seqlens tensor again: planned again, not looked up
+        assert len(built) == 2 and all(p is built[1] for p in seen[3:])
+        torch.testing.assert_close(out, ref(ids, positions, cu, max(lengths)), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "matmul"])
@@ -79,9 +109,7 @@ def test_views_of_one_qkv_projection_take_the_fused_path(H, Hkv):
 
 @pytest.mark.parametrize("case", ["mha", "gqa-causal-window", "window"])
 def test_matmul_backend_in_small_score_steps(case, monkeypatch):
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("embedpipe.kernels.attention"), "_SCORE_BYTES", 4096)
+    monkeypatch.setattr(importlib.import_module("embedpipe.kernels.cpu"), "_SCORE_BYTES", 4096)
     H, Hkv, causal, window, scale = CASES[case]
     kw = dict(causal=causal, window=window, scale=scale)
     q, k, v, cu, max_len = packed_qkv(LENGTHS, H, Hkv)

@@ -1,4 +1,4 @@
-"""The engine (runtime, models, text, kernels) imports without Ray, FAISS, typer or tqdm: the GPU check
+"""The engine (runtime, models, text, kernels, the benchmarks' report.bench) imports without Ray, FAISS, typer or tqdm: the GPU check
 machine has none of them."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ def test_engine_modules_import_without_cluster_packages():
         "import embedpipe.runtime, embedpipe.models, embedpipe.text, embedpipe.kernels",
         "import embedpipe.runtime.runners, embedpipe.runtime.graphs, embedpipe.runtime.staging",
         "import embedpipe.runtime.prefetch, embedpipe.runtime.warmup, embedpipe.runtime.buckets",
+        "import embedpipe.report.bench  # what scripts/gpu_check.py and bench_cpu.py share",
         f"loaded = sorted(m for m in sys.modules if m.split('.')[0] in {BLOCKED!r} and sys.modules[m] is not None)",
         "assert not loaded, loaded",
         "print('ok')",

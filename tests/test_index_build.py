@@ -125,7 +125,7 @@ def test_shards_from_two_workers_merge_to_the_same_index(tmp_path, vectors):
     def merged(groups):
         shards = {}
         for g, parts in enumerate(groups):
-            context = ShardContext("b", faiss.serialize_index(trained), ids, vectors[:5], 3, "inner_product",
+            context = ShardContext(faiss.serialize_index(trained), ids, vectors[:5], 3, "inner_product",
                                    str(tmp_path / f"shards-{len(groups)}-{g}"))
             builder = ShardBuilder(context)
             for part in parts:

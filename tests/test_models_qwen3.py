@@ -78,7 +78,7 @@ def test_matches_transformers(tiny, device, backend, dtype, tol):
     skip_unsupported(backend, dtype)
     path, _, seqs, ref, bidirectional = tiny
     lm = load_model(path, dtype=dtype, device=device, attention_backend=backend)
-    assert lm.model.causal is not bidirectional and lm.max_positions == 128
+    assert lm.model.config.causal is not bidirectional and lm.max_positions == 128
     hidden, cu = run_packed(lm.model, seqs)
     assert hidden.dtype == dtype
     default = "mean" if bidirectional else "last"

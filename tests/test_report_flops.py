@@ -1,10 +1,16 @@
 """FLOPs per token from config.json against hand counts (BERT-base, Qwen3-0.6B) and the model classes."""
 
+import sys
+
+import numpy as np
 import pytest
 import torch
 
+from embedpipe.models.layers import matmul_params
 from embedpipe.models.registry import MODEL_REGISTRY
+from embedpipe.report import flops
 from embedpipe.report.flops import effective_seq_len, flops_per_token_from_config, read_model_config
+from tests.conftest import ROOT
 
 BERT_BASE = {"model_type": "bert", "vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12,
              "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 512,
@@ -72,6 +78,72 @@ def test_matches_the_model_class(config):
         model = cls(cls.config_class.from_hf_config(config))
     for seq in (1, 100, 512):
         assert model.flops_per_token(seq) == pytest.approx(flops_per_token_from_config(config, seq), rel=1e-12)
+
+
+# one tiny config.json per registered family (and per attention mode): 2 layers, width 32
+TINY = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 48, "max_position_embeddings": 256}
+TINY_QWEN3 = {**TINY, "model_type": "qwen3", "num_key_value_heads": 2, "head_dim": 16}
+TINY_FAMILIES = {
+    "bert": {**TINY, "model_type": "bert"},
+    "xlm-roberta": {**TINY, "model_type": "xlm-roberta", "pad_token_id": 1},
+    "roberta": {**TINY, "model_type": "roberta", "pad_token_id": 1},
+    "modernbert": {**TINY, "model_type": "modernbert", "num_hidden_layers": 4, "global_attn_every_n_layers": 2,
+                   "local_attention": 16},
+    "qwen3": TINY_QWEN3,
+    "qwen3-bidirectional": {**TINY_QWEN3, "use_bidirectional_attention": True},
+    "qwen3-not-causal": {**TINY_QWEN3, "is_causal": False},
+    "bidirectional_pplx_qwen3": {**TINY_QWEN3, "model_type": "bidirectional_pplx_qwen3"},
+}
+
+
+def test_every_loadable_family_has_a_tiny_config_here_and_nothing_else_is_listed():
+    import embedpipe.models  # noqa: F401  (registers the families)
+
+    assert flops.families() == sorted(MODEL_REGISTRY) == sorted({c["model_type"] for c in TINY_FAMILIES.values()})
+    for unloadable in ("llama", "mistral", "qwen2"):  # decoders embedpipe has no model class for
+        with pytest.raises(ValueError, match=repr(unloadable)):
+            flops_per_token_from_config({**TINY_QWEN3, "model_type": unloadable}, 10)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_FAMILIES))
+def test_the_config_rule_is_the_built_model_count(name):
+    """The rule on config.json alone = the built model's flops_per_token, and its weights are the
+    model's Linear weights (built for real, width 32): one rule, no drift from the modules."""
+    import embedpipe.models  # noqa: F401
+
+    config = TINY_FAMILIES[name]
+    cls = MODEL_REGISTRY[config["model_type"]]
+    family_config = cls.config_class.from_hf_config(config)
+    torch.manual_seed(0)
+    model = cls(family_config)
+    assert family_config.linear_weights == matmul_params(model.layers)
+    causal = getattr(family_config, "causal", False)
+    for seq in (1, 7, 33, 100, 40.5):  # 40.5: an effective length sum(L^2) / sum(L)
+        rule = flops_per_token_from_config(config, seq)
+        assert rule == model.flops_per_token(seq)
+        weights, attention = 2 * matmul_params(model.layers), rule - 2 * matmul_params(model.layers)
+        if name == "modernbert":  # layers 0 and 2 global (seq keys), 1 and 3 local (at most 2 * 8 + 1)
+            assert attention == 4 * 32 * (2 * seq + 2 * min(seq, 17))
+        else:
+            heads_dim = 4 * (16 if "qwen3" in name else 8)
+            assert attention == 4 * 2 * heads_dim * ((seq + 1) / 2 if causal else seq), (weights, causal)
+    assert causal == (name == "qwen3")
+
+
+def test_gpu_check_counts_with_the_same_rule(monkeypatch):
+    """gpu_check's MFU numerator for a causal Qwen3 (once counted at seq_len keys per query when the
+    transformers model was counted instead of ours) is the family's rule, each sequence at its length."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", gpu_check)  # its dataclasses look their module up
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts the checkout first on sys.path
+    spec.loader.exec_module(gpu_check)
+    lengths = np.array([3, 3, 10, 64])
+    want = sum(n * flops_per_token_from_config(TINY_QWEN3, n) for n in lengths.tolist())
+    assert gpu_check.model_flops(TINY_QWEN3, lengths) == pytest.approx(want, rel=1e-12)
 
 
 def test_unknown_model_type_is_refused_by_name():

@@ -62,12 +62,6 @@ def test_cost_of_two_cpu_workers_by_hand():
     assert cost["usd_per_million_tokens"] == pytest.approx(0.4 * 10 / 3600 / 14_000 * 1e6)
 
 
-def test_device_busy_stage_is_preferred_when_the_runtime_records_it():
-    spans = [_span(0, 0, 4, 10, 100, 3.0, device_busy=2.0), _span(1, 0, 4, 10, 100, 3.0, device_busy=1.0)]
-    m = _metrics(spans)
-    assert m["busy_source"] == "device_busy" and m["busy_fraction"] == pytest.approx(3.0 / 8)
-
-
 def test_unknown_model_and_worker_without_units():
     m = _metrics(SPANS[:1], model_config={"model_type": "t5"})
     assert m["flops_per_token"] is None and m["mfu"] is None and m["encode_mfu"] is None

@@ -50,8 +50,8 @@ def test_index_section_is_shown_when_the_run_built_one():
         assert _value(text, "factory") == "IVF256,PQ32"
 
 
-def test_stage_order_keeps_known_stages_first_and_hides_device_busy():
-    r = {"stages": {"write": 1.0, "index": 2.0, "device_busy": 3.0, "encode": 4.0, "read": 0.1, "merge": 0.5}}
+def test_stage_order_keeps_known_stages_first():
+    r = {"stages": {"write": 1.0, "index": 2.0, "encode": 4.0, "read": 0.1, "merge": 0.5}}
     assert stage_names(r) == ["read", "encode", "write", "index", "merge"]
 
 

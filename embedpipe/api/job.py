@@ -11,11 +11,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from pathlib import Path
 from typing import Any
 
-from embedpipe.config import JobSpec, job_from_dict, load_job
+from embedpipe.config import SECTIONS, JobSpec, job_from_dict, load_job
 
 Section = dict[str, Any] | Any  # a mapping of fields, or the section's config dataclass
 
@@ -23,15 +24,15 @@ Section = dict[str, Any] | Any  # a mapping of fields, or the section's config d
 class Job:
     """A validated job (``spec``, a ``JobSpec``) and the two ways to run it."""
 
-    def __init__(self, *, input: Section, model: Section | str, output: Section, batching: Section | None = None,
-                 cluster: Section | None = None, runtime: Section | None = None, name: str = "job",
-                 base: str | os.PathLike = "."):
-        """Sections as in a job file (mappings or config dataclasses; ``model`` may be just its path).
+    def __init__(self, *, model: Section | str, name: str = "job", base: str | os.PathLike = ".",
+                 **sections: Section | None):
+        """Sections as in a job file, one keyword per section of the schema (``input``, ``output``,
+        ``batching``, ``cluster``, ``runtime``, ``cost``...: ``config.SECTIONS``), each a mapping or
+        the section's config dataclass; ``model`` may be just its path.
 
         Relative paths resolve against ``base`` (the current directory by default); errors name the field.
         """
-        sections = {"input": input, "model": {"path": model} if isinstance(model, str) else model,
-                    "output": output, "batching": batching, "cluster": cluster, "runtime": runtime}
+        sections = {**sections, "model": {"path": model} if isinstance(model, str) else model}
         raw = {key: _as_mapping(value) for key, value in sections.items() if value is not None}
         self.spec: JobSpec = job_from_dict({**raw, "name": name}, base=Path(base).resolve(), source="Job(...)")
 
@@ -72,6 +73,20 @@ class Job:
         s = self.spec
         return (f"Job({s.name!r}: {s.input.path} ({s.input.format}) -> {s.model.path} -> {s.output.path}, "
                 f"cluster {s.cluster.address or 'embedded local Ray'})")
+
+
+def _signature() -> inspect.Signature:
+    """Job's keywords as the schema lists its sections, so help(Job) and editors show every one."""
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(s, kw, annotation="Section | str") if s == "model" else
+               inspect.Parameter(s, kw, default=None, annotation="Section | None") for s in SECTIONS]
+    params += [inspect.Parameter("name", kw, default="job", annotation="str"),
+               inspect.Parameter("base", kw, default=".", annotation="str | os.PathLike")]
+    return inspect.Signature(params)
+
+
+Job.__init__.__signature__ = _signature()
 
 
 def _as_mapping(section: Section) -> dict[str, Any]:

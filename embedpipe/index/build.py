@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -196,7 +195,7 @@ class IndexBuild:
         import faiss
 
         shard_dir = self.work / "shards"
-        context = ShardContext(build_id=uuid.uuid4().hex, trained=faiss.serialize_index(index), ids=ids,
+        context = ShardContext(trained=faiss.serialize_index(index), ids=ids,
                                queries=sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric,
                                shard_dir=str(shard_dir))
         if self.use_ray:

@@ -24,7 +24,6 @@ from embedpipe.index.recall import ExactNeighbours, Neighbours
 class ShardContext:
     """Shipped once per build to every worker (through the object store)."""
 
-    build_id: str
     trained: np.ndarray  # faiss.serialize_index of the trained, empty index (uint8)
     ids: IdPlan
     queries: np.ndarray  # [Q, D] float32 hold-out queries

@@ -1,5 +1,5 @@
 """Attention kernels behind one packed-varlen signature."""
 
-from embedpipe.kernels.attention import BACKENDS, attention, available_backends, select_backend
+from embedpipe.kernels.attention import BACKENDS, attention, available_backends, plan_attention, select_backend
 
-__all__ = ["BACKENDS", "attention", "available_backends", "select_backend"]
+__all__ = ["BACKENDS", "attention", "available_backends", "plan_attention", "select_backend"]

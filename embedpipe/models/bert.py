@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
-from embedpipe.models.layers import LayerNorm, activation, attention_flops, matmul_params
+from embedpipe.kernels import attention, plan_attention
+from embedpipe.models.layers import LayerNorm, activation, attention_flops
 from embedpipe.models.registry import register
 
 
@@ -40,6 +40,22 @@ class BertConfig:
     def max_seq_len(self) -> int:
         """Longest sequence the position table covers (RoBERTa loses its offset rows)."""
         return self.max_positions - self.position_offset
+
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: qkv 3h^2, out h^2, up and down 2hi per layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + 2 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * layers * hidden * seq_len (QK^T and PV, bidirectional: every query
+        sees seq_len keys). Not counted: embedding lookups, biases, LayerNorm, GELU, softmax.
+        BERT-base, seq 512: 2 * 12 * (4*768^2 + 2*768*3072) + 4 * 12 * 768 * 512 = 188.7 MFLOP/token.
+        """
+        return 2.0 * self.linear_weights + attention_flops(
+            layers=self.num_layers, heads=self.num_heads, head_dim=self.head_dim, context=seq_len)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> BertConfig:
@@ -86,10 +102,11 @@ class BertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
-        o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend)  # [T, H, D]
+        o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend,
+                      plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
 
 
@@ -112,8 +129,8 @@ class BertLayer(nn.Module):
         self.mlp = BertMLP(cfg)
         self.mlp_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = self.attn_norm(x + self.attn(x, cu_seqlens, max_seqlen))  # [T, hidden]
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+        x = self.attn_norm(x + self.attn(x, cu_seqlens, max_seqlen, plan))  # [T, hidden]
         return self.mlp_norm(x + self.mlp(x))  # [T, hidden]
 
 
@@ -121,7 +138,6 @@ class BertLayer(nn.Module):
 class BertModel(nn.Module):
     config_class: ClassVar[type] = BertConfig
     default_pooling: ClassVar[str] = "mean"  # when the directory has no Pooling module
-    causal: ClassVar[bool] = False
 
     # checkpoint name prefixes removed before WEIGHT_MAP lookup (BertForX / RobertaModel dumps)
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("bert.", "roberta.", "model.")
@@ -157,7 +173,7 @@ class BertModel(nn.Module):
 
     def __init__(self, config: BertConfig, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
+        self.config, self.attention_backend = config, attention_backend
         self.embed = BertEmbeddings(config)
         self.layers = nn.ModuleList(BertLayer(config, attention_backend) for _ in range(config.num_layers))
 
@@ -170,20 +186,12 @@ class BertModel(nn.Module):
         return self.config.max_seq_len
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids, positions)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: qkv, out, up, down = 4h^2 + 2hi per layer)
-        + 4 * layers * hidden * seq_len (QK^T and PV, bidirectional: every query sees seq_len keys).
-        Not counted: embedding lookups, biases, LayerNorm, GELU, softmax (O(T * hidden) or O(L^2 * H)).
-        BERT-base, seq 512: 2 * 12 * (4*768^2 + 2*768*3072) + 4 * 12 * 768 * 512 = 188.7 MFLOP/token.
-        """
-        c = self.config
-        return 2.0 * matmul_params(self.layers) + attention_flops(
-            layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=seq_len
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, BertConfig.flops_per_token."""
+        return self.config.flops_per_token(seq_len)

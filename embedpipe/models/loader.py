@@ -39,10 +39,11 @@ class LoadedModel:
     device: str
     dtype: torch.dtype
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Encoder forward FLOPs per token at this sequence length (see the model's docstring).
-        The head (pool, Dense, normalize) runs once per sequence and is not counted."""
-        return self.model.flops_per_token(seq_len)
+    def flops_per_token(self, seq_len: float) -> float:
+        """Encoder forward FLOPs per token at this sequence length: the family's rule on its config
+        (e.g. BertConfig.flops_per_token). The head (pool, Dense, normalize) runs once per sequence
+        and is not counted."""
+        return self.config.flops_per_token(seq_len)
 
     def build_head(self, *, pooling: str = "auto", normalize: bool | str = "auto", dim: int | None = None,
                    skip_tokens: int = 0) -> EmbeddingHead:

@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
+from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
-    LayerNorm, activation, apply_rotary, attention_flops, matmul_params, rotary_cos_sin,
+    LayerNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
 from embedpipe.models.registry import register
 
@@ -61,6 +61,25 @@ class ModernBertConfig:
     @property
     def max_seq_len(self) -> int:
         return self.max_positions
+
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: Wqkv 3h^2, Wo h^2, Wi 2hi, Wo hi per layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + 3 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * hidden * context per layer (QK^T and PV), bidirectional: context =
+        seq_len on global layers and min(seq_len, 2w + 1) on local layers (w = local_attention // 2;
+        the few queries within w of a sequence edge see fewer keys, which this upper bound ignores).
+        Not counted: embedding lookup, LayerNorm, GELU, RoPE, softmax.
+        """
+        local = min(seq_len, 2 * self.local_window + 1)
+        contexts = [seq_len if t == GLOBAL else local for t in self.layer_types]
+        return 2.0 * self.linear_weights + sum(
+            attention_flops(layers=1, heads=self.num_heads, head_dim=self.head_dim, context=n) for n in contexts)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModernBertConfig:
@@ -105,12 +124,12 @@ class ModernBertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [T, H, D]
         o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=self.window,
-                      backend=self.backend)  # [T, H, D]
+                      backend=self.backend, plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
 
 
@@ -135,8 +154,9 @@ class ModernBertLayer(nn.Module):
         self.mlp_norm = _norm(cfg)
         self.mlp = GeGLU(cfg)
 
-    def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen)  # [T, hidden]
+    def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int,
+                plan: Any) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
 
 
@@ -153,7 +173,6 @@ class ModernBertEmbeddings(nn.Module):
 @register("modernbert")
 class ModernBertModel(nn.Module):
     config_class: ClassVar[type] = ModernBertConfig
-    causal: ClassVar[bool] = False
 
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("model.",)  # ModernBertForX dumps
     # checkpoint name -> ours (see BertModel.WEIGHT_MAP for the notation)
@@ -182,7 +201,7 @@ class ModernBertModel(nn.Module):
 
     def __init__(self, config: ModernBertConfig, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
+        self.config, self.attention_backend = config, attention_backend
         self.default_pooling = config.pooling  # when the directory has no Pooling module
         self.embed = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(ModernBertLayer(config, i, attention_backend) for i in range(config.num_layers))
@@ -202,23 +221,12 @@ class ModernBertModel(nn.Module):
             GLOBAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.global_rope_theta),  # 2 x [T, 1, D/2]
             LOCAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.local_rope_theta),
         }
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: Wqkv, Wo, Wi, Wo = 4h^2 + 3hi per layer)
-        + 4 * hidden * context per layer (QK^T and PV), bidirectional: context = seq_len on global
-        layers and min(seq_len, 2w + 1) on local layers (w = local_attention // 2; the few queries
-        within w of a sequence edge see fewer keys, which this upper bound ignores).
-        Not counted: embedding lookup, LayerNorm, GELU, RoPE, softmax.
-        """
-        c = self.config
-        local = min(seq_len, 2 * c.local_window + 1)
-        contexts = [seq_len if t == GLOBAL else local for t in c.layer_types]
-        return 2.0 * matmul_params(self.layers) + sum(
-            attention_flops(layers=1, heads=c.num_heads, head_dim=c.head_dim, context=n) for n in contexts
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, ModernBertConfig.flops_per_token."""
+        return self.config.flops_per_token(seq_len)

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from embedpipe.kernels import attention
+from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
-    RMSNorm, activation, apply_rotary, attention_flops, matmul_params, rotary_cos_sin,
+    RMSNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
 )
 from embedpipe.models.registry import register
 
@@ -61,6 +61,25 @@ class Qwen3Config:
     def max_seq_len(self) -> int:
         return self.max_positions
 
+    @property
+    def linear_weights(self) -> int:
+        """Weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer."""
+        h, i, D = self.hidden_size, self.intermediate_size, self.head_dim
+        return self.num_layers * (2 * h * (self.num_heads + self.num_kv_heads) * D + 3 * h * i)
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """The family's FLOPs rule (embedpipe.report.flops): forward FLOPs per token at `seq_len`.
+
+        2 * linear_weights + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees
+        (seq_len + 1) / 2 keys on average (query i sees i + 1 keys); bidirectional: seq_len.
+        Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
+        Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
+        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256.5 = 939.6 MFLOP/token.
+        """
+        context = (seq_len + 1) / 2 if self.causal else seq_len
+        return 2.0 * self.linear_weights + attention_flops(
+            layers=self.num_layers, heads=self.num_heads, head_dim=self.head_dim, context=context)
+
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> Qwen3Config:
         heads = hf["num_attention_heads"]
@@ -100,13 +119,13 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
         T, H, Hkv, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H*D], 2 x [T, Hkv*D]
         q = apply_rotary(self.q_norm(q.view(T, H, D)), *rope)  # [T, H, D]
         k = apply_rotary(self.k_norm(k.view(T, Hkv, D)), *rope)  # [T, Hkv, D]
         o = attention(q, k, v.view(T, Hkv, D), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=self.causal,
-                      backend=self.backend)  # [T, H, D]
+                      backend=self.backend, plan=plan)  # [T, H, D]
         return self.out(o.reshape(T, H * D))  # [T, hidden]
 
 
@@ -130,8 +149,8 @@ class Qwen3Layer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen)  # [T, hidden]
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
 
 
@@ -165,8 +184,7 @@ class Qwen3Model(nn.Module):
 
     def __init__(self, config: Qwen3Config, *, attention_backend: str = "sdpa") -> None:
         super().__init__()
-        self.config = config
-        self.causal = config.causal
+        self.config, self.attention_backend = config, attention_backend
         # when the directory has no Pooling module: only the last token has seen a causal sequence whole
         self.default_pooling = "last" if config.causal else "mean"
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -183,24 +201,12 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta)  # 2 x [T, 1, D/2]
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, rope, cu_seqlens, max_seqlen)  # [T, hidden]
+            x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token for sequences of `seq_len` tokens.
-
-        2 * (weights of every Linear in the layers: q, k, v, o = 2h(H + Hkv)D, gate, up, down = 3hi per layer)
-        + 4 * layers * H * D * context (QK^T and PV). Causal: a query sees (seq_len + 1) / 2 keys on
-        average (query i sees i + 1 keys); bidirectional: seq_len. Same convention as
-        embedpipe.report.flops.flops_per_token_from_config.
-        Not counted: embedding lookup, RMSNorms, SiLU, RoPE, softmax; there is no LM head.
-        Qwen3-0.6B (h 1024, 28 layers, H 16, Hkv 8, D 128, i 3072), causal, seq 512:
-        2 * 28 * (2*1024*(16+8)*128 + 3*1024*3072) + 4 * 28 * 16 * 128 * 256.5 = 939.6 MFLOP/token.
-        """
-        c = self.config
-        context = (seq_len + 1) / 2 if c.causal else seq_len
-        return 2.0 * matmul_params(self.layers) + attention_flops(
-            layers=c.num_layers, heads=c.num_heads, head_dim=c.head_dim, context=context
-        )
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at `seq_len`: the family's rule, Qwen3Config.flops_per_token."""
+        return self.config.flops_per_token(seq_len)

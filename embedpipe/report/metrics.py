@@ -3,9 +3,9 @@
 Definitions (all in report.json, rendered by report/render.py):
 - a worker's ``seconds``: the sum of its units' wall times (from taking a unit to writing its part);
   its rows/s and tokens/s are measured over those seconds.
-- ``busy_fraction``: device-busy seconds / worker seconds. On GPU, busy seconds come from a
-  ``device_busy`` stage (CUDA events) when the runtime records one; otherwise, and always on CPU
-  where the encoder computes synchronously, they are the ``encode`` stage's wall seconds.
+- ``busy_fraction``: busy seconds / worker seconds, busy seconds being the ``encode`` stage's wall
+  seconds (exact on CPU, where the encoder computes synchronously; on GPU an upper bound, as the
+  encode stage also covers host-side work around the device's).
 - ``scaling_efficiency``: run tokens/s / (workers x one worker's tokens/s while processing), which is
   worker-seconds spent on units / (workers x wall seconds): what start-up, scheduling gaps and idle
   tails cost. Contention between workers on shared hardware is not in it; compare against a
@@ -25,8 +25,6 @@ from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
 from embedpipe.report.flops import effective_seq_len, flops_per_token_from_config, is_causal
 
-TIMELINE_FIELDS = ("start", "end", "rows", "tokens")  # seconds since the run started, counts
-
 
 @dataclass(frozen=True)
 class UnitSpan:
@@ -39,7 +37,7 @@ class UnitSpan:
 
 
 def busy_seconds(stages: dict[str, float]) -> float:
-    return stages.get("device_busy", stages.get("encode", 0.0))
+    return stages.get("encode", 0.0)
 
 
 def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devices: list[DeviceInfo],
@@ -64,7 +62,7 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
         "padding_efficiency": _ratio(report["tokens"], report["padded_tokens"]),
         "startup_seconds": round(min(s.started for s in spans) - started_at, 3) if spans else None,
         "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
-        "busy_source": "device_busy" if "device_busy" in total.stages else "encode",
+        "busy_source": "encode",  # the stage busy seconds come from
         "scaling_efficiency": _ratio(worker_seconds, len(devices) * wall),
         "flops_per_token": fpt,
         "flops": flops,

@@ -15,7 +15,6 @@ from embedpipe.report.cost import project
 
 UNKNOWN = "unknown"
 STAGE_ORDER = ("read", "tokenize", "pack", "encode", "write", "index")
-NOT_STAGES = ("device_busy",)  # counters kept in `stages` that are part of another stage's time
 
 
 # --------------------------------------------------------------------------- formatting
@@ -155,7 +154,7 @@ HARDWARE_AND_COST: list[Metric] = [
 
 
 def stage_names(*reports: dict) -> list[str]:
-    names = dict.fromkeys(s for r in reports for s in r.get("stages", {}) if s not in NOT_STAGES)
+    names = dict.fromkeys(s for r in reports for s in r.get("stages", {}))
     return sorted(names, key=lambda s: (STAGE_ORDER.index(s) if s in STAGE_ORDER else len(STAGE_ORDER), s))
 
 

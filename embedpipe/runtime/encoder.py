@@ -18,7 +18,7 @@ from embedpipe.runtime.cpu import keep_freed_memory, use_onednn_linears
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import RunnerSettings, build_runner
 from embedpipe.runtime.warmup import warmup_guard
-from embedpipe.text.packer import Batch, TokenPacker
+from embedpipe.text.packer import TokenPacker
 from embedpipe.text.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -92,15 +92,6 @@ class Encoder:
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
                  settings.dtype, self.runner.name, self.dim, self.max_seq_len)
         self.warmup = warmup_guard(self) if settings.warmup_check else None  # raises WarmupDivergence
-
-    @torch.inference_mode()
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        """One packed batch to its pooled vectors [B, D] float32 (still on the device)."""
-        dev = self.device
-        cu = batch.cu_seqlens.to(dev, non_blocking=True)
-        hidden = self.loaded.model(batch.input_ids.to(dev, non_blocking=True),
-                                   batch.positions.to(dev, non_blocking=True), cu, batch.max_seqlen)  # [T, H]
-        return self.head(hidden, cu)  # [B, D]
 
     def embed(self, texts: list[str], counters: Counters | None = None) -> np.ndarray:
         """Texts to vectors [N, D] float32, in input order.

@@ -102,10 +102,6 @@ class GraphCache:
                         "runtime.max_graphs / runtime.graph_memory_mb or use fewer batching.buckets",
                         key, self.max_graphs, self.max_bytes / 2**20)
 
-    def clear(self) -> None:
-        while self.graphs:
-            self.graphs.popitem(last=False)[1].release()
-
 
 # --------------------------------------------------------------------------- CUDA
 
