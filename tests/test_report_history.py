@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.report.render import f_num, f_sec, f_usd
+from embedpipe.report.render import f_num, f_sec, f_usd, render_markdown, render_table
 from tests.conftest import write_job
 from tests.model_helpers import save_tiny_text_model
 from tests.report_helpers import sample_report
@@ -107,9 +107,10 @@ def test_a_run_that_encoded_nothing_keeps_the_measured_figures(tmp_path):
             "units": {**worked["units"], "skipped_as_done": 5, "encoded": 0}, "index": {"ntotal": 5000},
             "run": {"id": "20260101T000100Z", "started": "2026-01-01T00:01:00+00:00", "rows_encoded": 0,
                     "tokens_encoded": 0}}
-    entries = [{"run_id": r["run"]["id"], "wall_seconds": r["wall_seconds"], "cost_usd": r["cost"]["total_usd"],
+    entries = [{"run_id": r["run"]["id"], "started": r["run"]["started"], "wall_seconds": r["wall_seconds"], "cost_usd": r["cost"]["total_usd"],
                 "device_hours": r["cost"]["device_hours"], "rows_encoded": r["run"]["rows_encoded"],
-                "tokens_encoded": r["run"]["tokens_encoded"]} for r in (worked, idle)]
+                "tokens_encoded": r["run"]["tokens_encoded"], "tokens_per_second": r["tokens_per_second"]}
+               for r in (worked, idle)]
     first = output_report(worked, previous=None, runs=entries[:1])
     whole = output_report(idle, previous=first, runs=entries)
     assert whole["tokens_per_second"] == worked["tokens_per_second"] and whole["run"] == worked["run"]
@@ -117,6 +118,14 @@ def test_a_run_that_encoded_nothing_keeps_the_measured_figures(tmp_path):
     assert whole["units"] == idle["units"] and whole["index"] == {"ntotal": 5000} and whole["job"] == "rerun"
     assert whole["output"]["runs"] == 2 and whole["output"]["rows_encoded"] == 5000
     assert output_report(idle, previous=None, runs=entries)["tokens_per_second"] == 0.0  # nothing to keep
+    shown = {k: v for k, v in whole.items() if k != "index"}  # this index is no real index section
+    table, md = render_table(shown), render_markdown(shown)
+    assert table.splitlines()[0].endswith("run 20260101T000000Z (the last to encode): 200 rows/s, 12,800 tokens/s "
+                                          "over 25.0s on 3 worker(s)")
+    for text in (table, md):
+        assert _value(text, "measured by run") == "20260101T000000Z" and _value(text, "runs") == "2"
+        assert _value(text, "20260101T000000Z") == "2026-01-01T00:00:00+00:00"  # the runs table, a row per run
+        assert _value(text, "20260101T000100Z") == "2026-01-01T00:01:00+00:00"
 
 
 def test_run_ids_are_utc_seconds_with_a_suffix_when_taken(tmp_path):

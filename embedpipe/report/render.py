@@ -238,15 +238,18 @@ def worker_rows(report: dict) -> list[list[str]]:
 RUN_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("run", "run_id", f_text), ("started", "started", f_text), ("rows encoded", "rows_encoded", f_int),
     ("wall", "wall_seconds", f_sec), ("tokens/s", "tokens_per_second", f_num), ("cost", "cost_usd", f_usd),
-    ("index", "index", f_text),
 ]
 
 
 def run_rows(report: dict) -> list[list[str]]:
-    """One row per run that wrote into the output (report.json's ``runs``), oldest first; a run without
-    an index shows '-' there."""
-    return [[fmt(r.get(key), f) if key != "index" or r.get(key) else "-" for _, key, f in RUN_COLUMNS]
+    """One row per run that wrote into the output (report.json's ``runs``), oldest first, and the index
+    it built ('-': none)."""
+    return [[*(fmt(r.get(key), f) for _, key, f in RUN_COLUMNS), r.get("index") or "-"]
             for r in report.get("runs") or []]
+
+
+def run_header() -> list[str]:
+    return [*(c for c, _, _ in RUN_COLUMNS), "index"]
 
 
 # --------------------------------------------------------------------------- renderers
@@ -291,7 +294,7 @@ def render_table(report: dict, *, project_rows: float | None = None) -> str:
     runs = run_rows(report)
     if runs:
         lines.append("Runs")
-        lines += ["  " + line for line in _aligned([[c for c, _, _ in RUN_COLUMNS], *runs])]
+        lines += ["  " + line for line in _aligned([run_header(), *runs])]
     return "\n".join(lines)
 
 
@@ -307,7 +310,7 @@ def render_markdown(report: dict, *, project_rows: float | None = None, plot: st
                   _md_row(["---"] * len(WORKER_COLUMNS)), *(_md_row(w) for w in workers), ""]
     runs = run_rows(report)
     if runs:
-        lines += ["## Runs", "", _md_row([c for c, _, _ in RUN_COLUMNS]), _md_row(["---"] * len(RUN_COLUMNS)),
+        lines += ["## Runs", "", _md_row(run_header()), _md_row(["---"] * len(run_header())),
                   *(_md_row(r) for r in runs), ""]
     cost = report.get("cost") or {}
     lines += ["## Notes", "",
