@@ -107,8 +107,8 @@ def test_a_run_that_encoded_nothing_keeps_the_measured_figures(tmp_path):
             "units": {**worked["units"], "skipped_as_done": 5, "encoded": 0}, "index": {"ntotal": 5000},
             "run": {"id": "20260101T000100Z", "started": "2026-01-01T00:01:00+00:00", "rows_encoded": 0,
                     "tokens_encoded": 0}}
-    entries = [{"run_id": r["run"]["id"], "started": r["run"]["started"], "wall_seconds": r["wall_seconds"], "cost_usd": r["cost"]["total_usd"],
-                "device_hours": r["cost"]["device_hours"], "rows_encoded": r["run"]["rows_encoded"],
+    entries = [{"run_id": r["run"]["id"], "started": r["run"]["started"], "wall_seconds": r["wall_seconds"],
+                "cost_usd": r["cost"]["total_usd"], "device_hours": r["cost"]["device_hours"], "rows_encoded": r["run"]["rows_encoded"],
                 "tokens_encoded": r["run"]["tokens_encoded"], "tokens_per_second": r["tokens_per_second"]}
                for r in (worked, idle)]
     first = output_report(worked, previous=None, runs=entries[:1])
