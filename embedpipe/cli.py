@@ -123,13 +123,15 @@ def search(output_dir: Annotated[Path, typer.Argument(help="A job's output.path 
 
 @app.command()
 def report(
-    runs: Annotated[list[Path], typer.Argument(help="Output folder of a finished run; two folders: compare them.",
-                                              show_default=False)],
+    runs: Annotated[list[Path], typer.Argument(
+        help="A finished output folder (its report and its runs), or one run's folder OUTPUT/runs/<run id>; "
+             "two folders: compare them.", show_default=False)],
     project_rows: Annotated[Optional[float], typer.Option(
         help="Also show what a corpus of this many rows would take and cost at the run's rates (e.g. 1e9).",
         show_default=False)] = None,
 ) -> None:
-    """Re-render a finished run's report (table, report.md, report.png), or compare two runs side by side."""
+    """Re-render a finished output's report (table, report.md, report.png) with the runs that produced it, or one
+    run's (OUTPUT/runs/<run id>), or compare two side by side."""
     from embedpipe.report.render import load_report, render_comparison, render_table
 
     if len(runs) > 2:

@@ -125,7 +125,8 @@ def test_a_resumed_run_with_nothing_left_costs_nothing(run, tmp_path):
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress", "--set", f"output.path={tmp_path / 'copy'}"])
     assert result.exit_code == 0, result.output
     assert "3 already done, 0 encoded" in result.output
-    report = json.loads((tmp_path / "copy" / "report.json").read_text())
+    whole = json.loads((tmp_path / "copy" / "report.json").read_text())  # the output's: keeps the first run's figures
+    report = json.loads((tmp_path / "copy" / "runs" / whole["runs"][-1]["run_id"] / "report.json").read_text())
     assert report["rows"] == 300 and report["per_worker"] == [] and report["mfu"] is None
     assert report["cost"]["total_usd"] == 0 and report["cost"]["device_hours"] == 0
     assert "report.png" in (tmp_path / "copy" / "report.md").read_text()

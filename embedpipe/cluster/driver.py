@@ -32,6 +32,7 @@ from embedpipe.preflight import Plan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
 from embedpipe.report.flops import read_model_config
+from embedpipe.report.history import record_run
 from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import build_report, write_report
@@ -168,8 +169,7 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         cost=job.cost)})
     fill_usd_saved(report, this_run=this_run)
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
-    write_report(output, report)
-    write_renderings(output, report)
+    report = record_run(output, report, started_at=started_at, this_run=this_run)  # runs/<id>/, then the output's
     return RunResult(output_path=output, report=report)
 
 

@@ -28,10 +28,10 @@ MANIFEST = "_manifest"
 # What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
 # removes exactly these, and nothing else in the folder.
 OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet",
-         "quantization.json")
+         "quantization.json", "runs")
 VERSIONED_OWNED = ("CURRENT", "versions")
 # Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
-CLEANED_DIRS = ("vectors", MANIFEST, f"{MANIFEST}/units", f"{MANIFEST}/skipped", "index", "versions")
+CLEANED_DIRS = ("vectors", MANIFEST, f"{MANIFEST}/units", f"{MANIFEST}/skipped", "index", "versions", "runs")
 # The temporary names of embedpipe's temp-then-rename writes: `.<name>.<pid>.tmp` and `<name>.tmp`.
 TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
 

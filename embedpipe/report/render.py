@@ -198,10 +198,24 @@ def free_metrics(report: dict) -> list[Metric]:
     return out
 
 
+# an output's report (report/history.py): its runs summed; labels unlike the run's own, so each reads alone
+OUTPUT_METRICS: list[Metric] = [
+    Metric("Output", "runs", _dig("output", "runs"), f_int),
+    Metric("Output", "measured by run", _dig("run", "id"), f_text, numeric=False),
+    Metric("Output", "rows encoded, all runs", _dig("output", "rows_encoded"), f_int),
+    Metric("Output", "tokens encoded, all runs", _dig("output", "tokens_encoded"), f_int),
+    Metric("Output", "wall time, all runs", _dig("output", "wall_seconds"), f_sec),
+    Metric("Output", "device-hours, all runs", _dig("output", "device_hours"), f_hours),
+    Metric("Output", "cost, all runs", _dig("output", "cost_usd"), f_usd),
+]
+
+
 def metrics_for(report: dict, *, project_rows: float | None = None) -> list[Metric]:
     out = [*OVERVIEW, *stage_metrics(report), *HARDWARE_AND_COST]
     if project_rows:
         out += projection_metrics(project_rows)
+    if isinstance(report.get("output"), dict):
+        out += OUTPUT_METRICS
     return out + free_metrics(report)
 
 
@@ -216,6 +230,25 @@ WORKER_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
 
 def worker_rows(report: dict) -> list[list[str]]:
     return [[fmt(w.get(key), f) for _, key, f in WORKER_COLUMNS] for w in report.get("per_worker", [])]
+
+
+# --------------------------------------------------------------------------- an output's runs
+
+RUN_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("run", "run_id", f_text), ("started", "started", f_text), ("rows encoded", "rows_encoded", f_int),
+    ("wall", "wall_seconds", f_sec), ("tokens/s", "tokens_per_second", f_num), ("cost", "cost_usd", f_usd),
+]
+
+
+def run_rows(report: dict) -> list[list[str]]:
+    """One row per run that wrote into the output (report.json's ``runs``), oldest first, and the index
+    it built ('-': none)."""
+    return [[*(fmt(r.get(key), f) for _, key, f in RUN_COLUMNS), r.get("index") or "-"]
+            for r in report.get("runs") or []]
+
+
+def run_header() -> list[str]:
+    return [*(c for c, _, _ in RUN_COLUMNS), "index"]
 
 
 # --------------------------------------------------------------------------- renderers
@@ -257,6 +290,10 @@ def render_table(report: dict, *, project_rows: float | None = None) -> str:
     if workers:
         lines.append("Per worker")
         lines += ["  " + line for line in _aligned([[c for c, _, _ in WORKER_COLUMNS], *workers])]
+    runs = run_rows(report)
+    if runs:
+        lines.append("Runs")
+        lines += ["  " + line for line in _aligned([run_header(), *runs])]
     return "\n".join(lines)
 
 
@@ -270,6 +307,10 @@ def render_markdown(report: dict, *, project_rows: float | None = None, plot: st
     if workers:
         lines += ["## Per worker", "", _md_row([c for c, _, _ in WORKER_COLUMNS]),
                   _md_row(["---"] * len(WORKER_COLUMNS)), *(_md_row(w) for w in workers), ""]
+    runs = run_rows(report)
+    if runs:
+        lines += ["## Runs", "", _md_row(run_header()), _md_row(["---"] * len(run_header())),
+                  *(_md_row(r) for r in runs), ""]
     cost = report.get("cost") or {}
     lines += ["## Notes", "",
               f"- price source: {cost.get('source', UNKNOWN)}",
@@ -326,7 +367,7 @@ def _md_row(cells: list[str]) -> str:
 
 
 def load_report(output_dir: str | Path) -> dict:
-    """report.json of a finished run (the folder, or the file itself)."""
+    """report.json of a finished output or of one of its runs (``OUTPUT/runs/<run id>``), or the file itself."""
     path = Path(output_dir)
     path = path if path.suffix == ".json" else path / "report.json"
     if not path.is_file():

@@ -2,7 +2,9 @@
 
 Totals (``rows``, ``tokens``, ``skipped_rows``, ``truncated_rows``, ``stages``...) describe the whole
 output, resumed units included (each unit's counters are kept in its manifest record). Rates
-(``rows_per_second``, ``tokens_per_second``) describe this run: what it encoded over its wall time.
+(``rows_per_second``, ``tokens_per_second``) describe this run: what it encoded over its wall time. The
+output's report.json carries a run's report forward (report/history.py): there they describe the run its
+``run`` section names, the last one that held workers.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def render_summary(report: dict) -> str:
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in report["stages"].items())
     units = report["units"]
     lines = [
-        f"{report['rows']:,} rows, {report['tokens']:,} tokens in the output; this run: "
+        f"{report['rows']:,} rows, {report['tokens']:,} tokens in the output; {measured_by(report)}: "
         f"{report['rows_per_second']:,.0f} rows/s, {report['tokens_per_second']:,.0f} tokens/s over "
         f"{report['wall_seconds']:.1f}s on {report['workers']} worker(s)",
         f"units: {units['total']} total, {units['skipped_as_done']} already done, {units['encoded']} encoded, "
@@ -57,6 +59,14 @@ def render_summary(report: dict) -> str:
     if "index" in report:
         lines.append(render_index(report["index"]))
     return "\n".join(lines)
+
+
+def measured_by(report: dict) -> str:
+    """'this run', or the earlier run whose figures an output's report keeps (its last run held no worker)."""
+    run, runs = report.get("run") or {}, report.get("runs") or []
+    if runs and run.get("id") and run["id"] != runs[-1]["run_id"]:
+        return f"run {run['id']} (the last to encode)"
+    return "this run"
 
 
 def render_index(index: dict) -> str:

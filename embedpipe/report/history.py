@@ -1,0 +1,113 @@
+"""Reports are history: each run's report under ``runs/<run id>/``, and the output's report beside the vectors.
+
+    <output>/runs/<run id>/report.json, .md, .png   one run, as it measured itself; never rewritten
+    <output>/report.json, .md, .png                  the output: what it holds, what measured it, its runs
+
+The output's report is the last run's report when that run held workers. A run that held none (a
+resume with nothing left, an index-only rerun) measured nothing: the output's report keeps the
+measured figures of the run before (throughput, wall time, cost, devices, per worker; its ``run``
+section names that run) and takes from the new run only what describes the output (``OUTPUT_KEYS``).
+Both carry ``runs`` (one entry per folder under runs/, oldest first) and ``output`` (their sums).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+from embedpipe.report.counters import Counters
+from embedpipe.report.outputs import write_renderings
+from embedpipe.report.report import write_report
+
+log = logging.getLogger(__name__)
+
+RUNS = "runs"
+RUN_ID_FORMAT = "%Y%m%dT%H%M%SZ"  # as versions.py names its versions
+# What a run that held no worker still knows about the output, and so rewrites in the output's report.
+OUTPUT_KEYS = ("job", "rows", "tokens", "padded_tokens", "truncated_rows", "skipped_rows", "bad_rows",
+               "padding_efficiency", "units", "stages", "index", "incremental", "version")
+
+
+def new_run_id(runs: Path, *, started_at: float) -> str:
+    """The run's UTC start second, with ``-1``, ``-2``... when a run of that second exists."""
+    base = datetime.fromtimestamp(started_at, timezone.utc).strftime(RUN_ID_FORMAT)
+    suffix, candidate = 0, base
+    while (runs / candidate).exists():
+        suffix += 1
+        candidate = f"{base}-{suffix}"
+    return candidate
+
+
+def record_run(output: Path, report: dict, *, started_at: float, this_run: Counters) -> dict:
+    """Write the run's report under runs/<run id>/, then the output's report from it; returns the output's."""
+    runs = output / RUNS
+    run_id = new_run_id(runs, started_at=started_at)
+    run = {**report, "run": {"id": run_id,
+                             "started": datetime.fromtimestamp(started_at, timezone.utc).isoformat(timespec="seconds"),
+                             "rows_encoded": this_run.rows - this_run.reused_rows, "tokens_encoded": this_run.tokens}}
+    folder = runs / run_id
+    folder.mkdir(parents=True)
+    write_report(folder, run)
+    write_renderings(folder, run)
+    previous = None if run["workers"] else _read(output / "report.json")
+    whole = output_report(run, previous=previous, runs=list_runs(output))
+    write_report(output, whole)
+    write_renderings(output, whole)
+    return whole
+
+
+def output_report(run: dict, *, previous: dict | None, runs: list[dict]) -> dict:
+    """The output's report after ``run``: ``previous``'s measured figures when ``run`` held no worker."""
+    base = run if run["workers"] or previous is None else {**previous, **{k: run[k] for k in OUTPUT_KEYS if k in run}}
+    base = {k: v for k, v in base.items() if k not in ("runs", "output")}
+    return {**base, "runs": runs, "output": _sums(runs)}
+
+
+def list_runs(output: Path) -> list[dict]:
+    """One line per run under runs/, oldest first: what it encoded, in what time, at what cost."""
+    folder = output / RUNS
+    found = [_read(p / "report.json") for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+    entries = [_entry(r) for r in found if r is not None and isinstance(r.get("run"), dict)]
+    return sorted(entries, key=lambda e: (e["started"], e["run_id"]))
+
+
+def _entry(run: dict) -> dict:
+    cost = run.get("cost") or {}
+    return {
+        "run_id": run["run"]["id"],
+        "started": run["run"]["started"],
+        "wall_seconds": run["wall_seconds"],
+        "workers": run["workers"],
+        "rows_encoded": run["run"]["rows_encoded"],
+        "tokens_encoded": run["run"]["tokens_encoded"],
+        "tokens_per_second": run["tokens_per_second"],
+        "device_hours": cost.get("device_hours"),
+        "cost_usd": cost.get("total_usd"),
+        "index": (run.get("index") or {}).get("factory"),
+    }
+
+
+def _sums(runs: list[dict]) -> dict:
+    costs = [r.get("cost_usd") for r in runs]
+    return {
+        "runs": len(runs),
+        "wall_seconds": round(sum(r["wall_seconds"] for r in runs), 3),
+        "device_hours": sum(r.get("device_hours") or 0.0 for r in runs),
+        "cost_usd": None if any(c is None for c in costs) else sum(costs),
+        "rows_encoded": sum(r["rows_encoded"] for r in runs),
+        "tokens_encoded": sum(r["tokens_encoded"] for r in runs),
+    }
+
+
+def _read(path: Path) -> dict | None:
+    """A report.json, or None when there is none or it cannot be read (then it is not carried)."""
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable and is not carried into the new report: %s", path, exc)
+        return None
+    return report if isinstance(report, dict) else None
