@@ -106,3 +106,34 @@ def test_cli_reports_bad_input_before_any_worker(tmp_path, monkeypatch):
                     output={"path": str(tmp_path / "out")})
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 3 and "repeat an id" in result.output
+
+
+@pytest.mark.slow
+def test_the_model_is_resolved_once_per_run(tmp_path, ray_session, quickstart_table, monkeypatch):
+    """One resolution of model.path in the driver per run (preflight's), whatever the run does after:
+    output.dim checked against the model, a sharded FAISS index (plan, shard workers, report FLOPs),
+    and an int8 run (calibration and its record). Workers and the calibration task are other processes."""
+    from embedpipe.cluster.driver import run_job
+    from embedpipe.config import load_job
+    from embedpipe.models import resolve
+
+    calls = []
+    real = resolve.resolve_model_path
+
+    def counting(name):
+        calls.append(name)
+        return real(name)
+
+    monkeypatch.setattr(resolve, "resolve_model_path", counting)
+    data = tmp_path / "data.parquet"
+    pq.write_table(quickstart_table.slice(0, 120), data, row_group_size=60)
+    common = dict(input={"path": str(data), "unit_rows": 60}, model={"path": MODEL, "max_seq_len": 32},
+                  batching={"max_tokens": 1024}, cluster={"workers": 1, "cpus_per_worker": 1})
+    for name, output in (("faiss", {"format": "both", "index": "IVF2,Flat", "dim": 128}),
+                         ("int8", {"dtype": "int8", "calibration_rows": 40})):
+        calls.clear()
+        job = load_job(write_job(tmp_path / f"{name}.yaml", output={"path": str(tmp_path / name), **output}, **common))
+        report = run_job(job, progress=False).report
+        assert report["rows"] == 120 and report["flops_per_token"] > 0  # the plan's config.json fed the FLOPs
+        assert calls == [MODEL], f"{name} run: model.path resolved {len(calls)} times in the driver: {calls}"
+    assert (tmp_path / "faiss" / "index" / "index.faiss").is_file() and (tmp_path / "int8" / "quantization.json").is_file()
