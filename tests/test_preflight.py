@@ -137,3 +137,21 @@ def test_the_model_is_resolved_once_per_run(tmp_path, ray_session, quickstart_ta
         assert report["rows"] == 120 and report["flops_per_token"] > 0  # the plan's config.json fed the FLOPs
         assert calls == [MODEL], f"{name} run: model.path resolved {len(calls)} times in the driver: {calls}"
     assert (tmp_path / "faiss" / "index" / "index.faiss").is_file() and (tmp_path / "int8" / "quantization.json").is_file()
+
+
+def test_the_run_plan_holds_the_model_and_index_facts(tmp_path, minilm_dir):
+    """Preflight's RunPlan: the resolved model directory, its config.json and dimension, FLOPs per token
+    by the family's rule, the output root, and the index plan (None for parquet)."""
+    from embedpipe.report.flops import flops_per_token_from_config, read_model_config
+
+    pq.write_table(_table(list(range(100))), tmp_path / "d.parquet")
+    raw = {"input": {"path": str(tmp_path / "d.parquet")}, "model": {"path": MODEL},
+           "output": {"path": str(tmp_path / "out"), "format": "faiss", "index": "Flat", "dim": 128}}
+    plan = preflight(parse_job(raw))
+    assert plan.model.dir == minilm_dir.resolve() and plan.model_dir == plan.model.dir
+    assert plan.model.config == read_model_config(minilm_dir) and plan.model.config["model_type"] == "bert"
+    assert (plan.model.dim, plan.model.vector_dim, plan.model.normalize) == (384, 128, True)
+    assert plan.model.flops_per_token(64) == flops_per_token_from_config(plan.model.config, 64) > 0
+    assert plan.output == tmp_path / "out" and plan.rows == 100
+    assert plan.index.candidates[0].factory == "Flat" and plan.index.dim == 128 and plan.index.metric == "inner_product"
+    assert preflight(parse_job({**raw, "output": {"path": str(tmp_path / "out")}})).index is None
