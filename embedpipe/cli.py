@@ -85,19 +85,15 @@ def validate(job_file: JobFile, set_: SetOpt = None) -> None:
 
     try:
         plan = preflight(job)
-    except (ModelError, JobError) as exc:  # JobError: the output refutes the job (CURRENT names no version)
+    except (ModelError, JobError) as exc:  # JobError: settings the model, the data or the output refutes
         raise _fail(exc, EXIT_BAD_JOB) from None
     except InputError as exc:
         raise _fail(exc, EXIT_BAD_INPUT) from None
-    rows = sum(u.num_rows for u in plan.units)
-    typer.echo(f"ok: {job.name}: {len(plan.units)} units, {rows:,} rows; model {plan.model_dir}")
-    if job.output.format != "parquet":
-        from embedpipe.index.plan import describe_plan, plan_index
+    typer.echo(f"ok: {job.name}: {len(plan.units)} units, {plan.rows:,} rows; model {plan.model.dir}")
+    if plan.index is not None:
+        from embedpipe.index.plan import describe_plan
 
-        try:
-            typer.echo(describe_plan(plan_index(job, rows=rows)))
-        except JobError as exc:
-            raise _fail(exc, EXIT_BAD_JOB) from None
+        typer.echo(describe_plan(plan.index))
 
 
 @app.command()

@@ -1,5 +1,10 @@
 """The job schema: one typed section per component, validated once at load.
 
+A leaf of the package (it imports nothing of embedpipe): the schema and its coercion only.
+Checks that span the job and another package (output.dtype against FAISS, the output.index
+factory string, model.prompt_name and output.dim against the model) run in
+``embedpipe/preflight.py``, with the same field, value and fix.
+
 A job file is YAML with one mapping per section (``input``, ``model``, ``batching``,
 ``output``, ``cluster``, ``runtime``, ``cost``). Every option and its default lives here, and
 ``docs/job-reference.md`` is generated from these dataclasses (``python -m embedpipe.config``),
@@ -158,24 +163,9 @@ class OutputConfig:
         if self.dim is not None:
             _positive(self, "output", "dim")
         _positive(self, "output", "calibration_rows")
-        from embedpipe.io.quantize import stored_type
-
-        if self.format != "parquet" and stored_type(self.dtype).quantized:
-            raise JobError("output.dtype", f"{self.dtype} vectors cannot feed the FAISS index (output.format: "
-                           f"{self.format}); FAISS compresses vectors itself",
-                           "keep output.dtype float32 and choose a compressed index (output.index: 'HNSW32,SQ8' "
-                           "or 'IVF4096,SQ8' for 8-bit codes, 'IVF4096,PQ32' for fewer bytes), or set "
-                           "output.format: parquet")
         if not 0 < self.target_recall <= 1:
             raise JobError("output.target_recall", f"{self.target_recall!r} is not in (0, 1]",
                            "set output.target_recall to a fraction such as 0.95")
-        if self.index != "auto":
-            from embedpipe.index.factory import FactoryError, parse_factory
-
-            try:
-                parse_factory(self.index)
-            except FactoryError as exc:
-                raise JobError("output.index", str(exc), "write a valid factory string or output.index: auto") from None
         if self.keep_versions is not None:
             _positive(self, "output", "keep_versions")
         if (self.incremental or self.keep_versions is not None) and not self.versioned:
@@ -409,7 +399,6 @@ def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") ->
     sections = {s: _parse_section(s, cls, raw.get(s), source) for s, cls in SECTIONS.items()}
     job = JobSpec(name=str(raw.get("name", name)), **sections)
     _check_files(job, source)
-    _check_model_options(job, source)
     return job
 
 
@@ -534,33 +523,6 @@ def _check_files(job: JobSpec, source: str) -> None:
     raise JobError("input.path", f"{p!r} does not exist",
                    "point input.path at a file, a directory of them or a glob (for a dataset in the local "
                    "Hugging Face cache by name, set input.format: huggingface)", source=source)
-
-
-def _check_model_options(job: JobSpec, source: str) -> None:
-    """model.prompt_name and output.dim against the model directory (read only when they are set)."""
-    m, o = job.model, job.output
-    if m.prompt_name is None and o.dim is None:
-        return
-    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
-    from embedpipe.models.st import model_dim, read_st_spec, resolve_prompt
-
-    try:
-        root = resolve_model_path(m.path)
-    except ModelNotFound:
-        return  # `validate` and the run report the missing model itself
-    try:
-        spec = read_st_spec(root)
-        dim = model_dim(root, spec)
-    except (ValueError, OSError):
-        return  # an unusable model directory: preflight names the file and the fix (exit 2)
-    try:
-        resolve_prompt(spec, prompt=m.prompt, prompt_name=m.prompt_name)
-    except ValueError as exc:
-        raise JobError("model.prompt_name", str(exc), "set model.prompt_name to one of them, "
-                       "or a literal prefix in model.prompt", source=source) from None
-    if o.dim is not None and o.dim > dim:
-        raise JobError("output.dim", f"{o.dim} exceeds the model's dimension {dim}",
-                       f"set output.dim to at most {dim}, or null for all of them", source=source)
 
 
 def _positive(obj: Any, section: str, name: str) -> None:

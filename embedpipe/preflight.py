@@ -3,7 +3,13 @@
 A corrupt or unreadable file, a missing column, ids of two types across the input, a null id
 (under ``input.on_bad_row: error``), duplicate ids and a model directory with missing or unsafe
 files are each reported here, naming the file and the fix, so a bad nightly job fails in seconds
-instead of after an hour of encoding.
+instead of after an hour of encoding. The checks that span the job and another package (the
+output dtype against FAISS, the index factory string, model.prompt_name and output.dim against the
+model) run here too; ``embedpipe/config.py`` is the schema alone.
+
+``preflight`` returns the run's ``RunPlan``: the units, the model's facts (resolved directory,
+sentence-transformers spec, config.json, dimension, prompts, FLOPs per token), the output root and
+the index plan. The model directory is resolved here, once per run.
 
 Ids: every file must hold them as one Arrow type (int32 and int64 are two types: the output
 keeps the input's id type, and parts of two types break reading ``vectors/`` and later
@@ -14,18 +20,25 @@ skips their rows (``embedpipe/io/rows.py``).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from embedpipe.config import JobError, JobSpec
+from embedpipe.config import JobError, JobSpec, OutputConfig
+from embedpipe.index.factory import FactoryError, parse_factory
+from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
 from embedpipe.io.formats import UnitReader, plan_input
+from embedpipe.io.quantize import stored_type
 from embedpipe.io.rows import null_id_error
+from embedpipe.report.flops import read_model_config
 from embedpipe.units import InputError, Unit
+
+if TYPE_CHECKING:
+    from embedpipe.models.st import STSpec  # imports torch: the model modules load only when a model is read
 
 MAX_LISTED = 5  # duplicate ids named in an error message
 
@@ -35,43 +48,133 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class ModelPlan:
+    """The model's facts, worked out once from its files (no weights loaded) and handed down."""
+
+    dir: Path  # model.path resolved offline
+    st: STSpec  # the sentence-transformers modules (pooling, normalize, prompts, Dense, transformer_dir)
+    config: dict  # the transformer's config.json
+    dim: int  # the model's own vector dimension (after its Dense layers)
+    vector_dim: int  # the stored vectors': output.dim, else dim
+    normalize: bool  # vectors are L2-normalised (model.normalize, or the model's Normalize module)
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        return self.st.prompts
+
+    def flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs per token at ``seq_len`` (the family's own rule, embedpipe/report/flops.py)."""
+        from embedpipe.report.flops import flops_per_token_from_config
+
+        return flops_per_token_from_config(self.config, seq_len)
+
+    def index_facts(self) -> ModelFacts:
+        return ModelFacts(dim=self.vector_dim, normalize=self.normalize, query_prompt=self.prompts.get("query", ""))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run decides before any worker starts; the driver, calibration, index build and
+    report read it, and nothing resolves the model or parses output.index again."""
+
     files: list[str]
     units: list[Unit]
-    model_dir: Path
     duplicate_rows: int  # rows dropped by on_duplicate_id: keep_first
+    model: ModelPlan
+    output: Path  # output.path (the versioned root for versioned outputs)
+    index: IndexPlan | None  # None for output.format: parquet
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model.dir
+
+    @property
+    def rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
 
 
-def preflight(job: JobSpec) -> Plan:
+Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts
+
+
+def preflight(job: JobSpec) -> RunPlan:
+    """Check the job against its output, input and model, in that order of cost; the run's plan."""
+    check_output_settings(job.output)
     if job.output.versioned:
         check_current(Path(job.output.path))
     inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
                                          policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
-    return Plan(files=inputs.files, units=units,
-                model_dir=check_model_dir(job.model.path, allow_pickle=job.model.allow_pickle), duplicate_rows=dropped)
+    model = plan_model(job)
+    index = None
+    if job.output.format != "parquet":
+        index = plan_index(job, rows=sum(u.num_rows for u in units), model=model.index_facts())
+    return RunPlan(files=inputs.files, units=units, duplicate_rows=dropped, model=model,
+                   output=Path(job.output.path), index=index)
 
 
-def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
-    """Resolve ``model.path`` offline and check the files a worker will need are there and safe."""
-    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
-    from embedpipe.models.st import read_st_spec
+def check_output_settings(output: OutputConfig) -> None:
+    """output.dtype against the FAISS index, and the output.index factory string (no I/O)."""
+    if output.format != "parquet" and stored_type(output.dtype).quantized:
+        raise JobError("output.dtype", f"{output.dtype} vectors cannot feed the FAISS index (output.format: "
+                       f"{output.format}); FAISS compresses vectors itself",
+                       "keep output.dtype float32 and choose a compressed index (output.index: 'HNSW32,SQ8' "
+                       "or 'IVF4096,SQ8' for 8-bit codes, 'IVF4096,PQ32' for fewer bytes), or set "
+                       "output.format: parquet")
+    if output.index != "auto":
+        try:
+            parse_factory(output.index)
+        except FactoryError as exc:
+            raise JobError("output.index", str(exc), "write a valid factory string or output.index: auto") from None
+
+
+def plan_model(job: JobSpec) -> ModelPlan:
+    """Resolve model.path (the run's only resolution), check the files a worker will need are there
+    and safe, read the model's facts, and check the job's model options against them."""
+    from embedpipe.models import resolve
+    from embedpipe.models.st import model_dim, read_st_spec
 
     try:
-        model_dir = resolve_model_path(path)
-    except ModelNotFound as exc:
+        model_dir = resolve.resolve_model_path(job.model.path)
+    except resolve.ModelNotFound as exc:
         raise ModelError(f"model.path: {exc}") from None
     try:
-        spec = read_st_spec(model_dir, allow_pickle=allow_pickle)
+        spec = read_st_spec(model_dir, allow_pickle=job.model.allow_pickle)
     except (ValueError, KeyError, OSError) as exc:
         raise ModelError(f"model.path: {model_dir}: {exc}") from None
-    weights_dir = model_dir / spec.transformer_dir
+    config = check_model_files(model_dir / spec.transformer_dir, allow_pickle=job.model.allow_pickle)
+    try:
+        dim = model_dim(model_dir, spec)
+    except ValueError as exc:
+        raise ModelError(f"model.path: {exc}: copy the model's config.json into the directory again") from None
+    check_model_options(job, spec=spec, dim=dim)
+    normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
+    return ModelPlan(dir=model_dir, st=spec, config=config, dim=dim, vector_dim=job.output.dim or dim,
+                     normalize=normalize)
+
+
+def check_model_options(job: JobSpec, *, spec: STSpec, dim: int) -> None:
+    """model.prompt_name and output.dim against the model (``embed()`` checks its options here too)."""
+    from embedpipe.models.st import resolve_prompt
+
+    m, o = job.model, job.output
+    try:
+        resolve_prompt(spec, prompt=m.prompt, prompt_name=m.prompt_name)
+    except ValueError as exc:
+        raise JobError("model.prompt_name", str(exc), "set model.prompt_name to one of them, "
+                       "or a literal prefix in model.prompt") from None
+    if o.dim is not None and o.dim > dim:
+        raise JobError("output.dim", f"{o.dim} exceeds the model's dimension {dim}",
+                       f"set output.dim to at most {dim}, or null for all of them")
+
+
+def check_model_files(weights_dir: Path, *, allow_pickle: bool) -> dict:
+    """config.json (of a model_type embedpipe implements), tokenizer.json and safe weights; config.json read."""
     for name, fix in (("config.json", "copy the model's config.json into the directory"),
                       ("tokenizer.json", "save the fast tokenizer there (AutoTokenizer.save_pretrained)")):
         if not (weights_dir / name).is_file():
             raise ModelError(f"model.path: {weights_dir} has no {name}: {fix}")
-    check_model_type(weights_dir / "config.json")
+    config = check_model_type(weights_dir / "config.json")
     if not any(weights_dir.glob("*.safetensors")):
         pickles = sorted(p.name for p in weights_dir.glob("pytorch_model*.bin"))
         if not pickles:
@@ -81,15 +184,15 @@ def check_model_dir(path: str, *, allow_pickle: bool) -> Path:
             raise ModelError(f"model.path: {weights_dir} has only pickled weights ({', '.join(pickles)}): convert "
                              f"them to safetensors, or set model.allow_pickle: true to load them with "
                              f"torch.load(weights_only=True)")
-    return model_dir
+    return config
 
 
-def check_model_type(config_path: Path) -> None:
+def check_model_type(config_path: Path) -> dict:
     """config.json's model_type must be one embedpipe implements (else every worker would fail loading it)."""
     from embedpipe.models.registry import model_class
 
     try:
-        config = json.loads(config_path.read_text())
+        config = read_model_config(config_path.parent, transformer_dir="")
     except (ValueError, OSError) as exc:
         raise ModelError(f"model.path: {config_path} is not readable JSON ({exc}): copy the model's config.json "
                          f"into the directory again") from None
@@ -97,6 +200,7 @@ def check_model_type(config_path: Path) -> None:
         model_class(config.get("model_type") if isinstance(config, dict) else None)
     except ValueError as exc:
         raise ModelError(f"model.path: {config_path.parent}: {exc}") from None
+    return config
 
 
 def check_current(root: Path) -> None:

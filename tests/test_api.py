@@ -125,6 +125,17 @@ def test_bad_embed_options_name_the_option(options, option, words):
     assert err.value.field_path == option and words in str(err.value) and str(err.value).startswith("embed(): ")
 
 
+@pytest.mark.parametrize("options, option, words", [
+    ({"prompt_name": "query"}, "prompt_name", "the model defines no prompts"),
+    ({"dim": 512}, "dim", "512 exceeds the model's dimension 384 (fix: set dim to at most 384"),
+])
+def test_embed_options_checked_against_the_model(options, option, words):
+    """The check a job run makes in preflight, before any model is loaded: errors name the option."""
+    with pytest.raises(JobError) as err:
+        embedpipe.embed(["x"], model=MODEL, **options)
+    assert err.value.field_path == option and words in str(err.value) and str(err.value).startswith("embed(): ")
+
+
 def test_bad_embed_inputs_say_what_to_pass(minilm_dir):
     pd = pytest.importorskip("pandas")
     with pytest.raises(InputError, match=r"inputs\[1\] is 3, not a string"):

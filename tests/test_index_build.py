@@ -69,7 +69,7 @@ def build(tmp_path, vectors, *, ids=None, fmt="both", **output):
 
 def test_flat_is_exact_and_ids_map_back(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, index="Flat")
-    report = index_build(use_ray=False)
+    report = index_build()
     assert report["factory"] == "Flat" and report["ntotal"] == ROWS and report["ids"] == "dense"
     assert report["recall_at_10"] == report["recall_at_1"] == 1.0 and report["target_reached"]
     assert report["search_params"] == {}
@@ -86,7 +86,7 @@ def test_flat_is_exact_and_ids_map_back(tmp_path, vectors):
                                                 ("IVF32,SQ8", "nprobe"), ("IVF32,PQ8x4,RFlat", "nprobe")])
 def test_reported_recall_equals_recomputed(tmp_path, vectors, factory, parameter):
     index_build, out = build(tmp_path, vectors, index=factory, target_recall=0.9)
-    report = index_build(use_ray=False)
+    report = index_build()
     index_ids = np.array(pq.read_table(out / "index" / "ids.parquet")["index_id"].to_pylist())
     r10, r1, stored_exact, exact = recompute_recall(out / "index", index_ids, vectors)
     assert parameter in report["search_params"]
@@ -99,7 +99,7 @@ def test_reported_recall_equals_recomputed(tmp_path, vectors, factory, parameter
 
 def test_compression_limit_is_reported_not_hidden(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, index="IVF16,PQ4x4", target_recall=0.99)
-    report = index_build(use_ray=False)
+    report = index_build()
     assert not report["target_reached"] and report["recall_at_10"] < 0.9
     assert report["search_params"]["nprobe"] <= 16
     assert any("refine stage" in w and "RFlat" in w for w in report["warnings"])
@@ -109,7 +109,7 @@ def test_auto_falls_back_to_the_next_candidate(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, target_recall=0.97)
     candidates = (parse_factory("IVF16,PQ4x4"), parse_factory("IVF16,Flat"))
     index_build.plan = dataclasses.replace(index_build.plan, candidates=candidates, auto=True)
-    report = index_build(use_ray=False)
+    report = index_build()
     assert [t["factory"] for t in report["tried"]] == ["IVF16,PQ4x4", "IVF16,Flat"]
     assert report["factory"] == "IVF16,Flat" and report["target_reached"] and report["recall_at_10"] >= 0.97
 
@@ -144,7 +144,7 @@ def test_shards_from_two_workers_merge_to_the_same_index(tmp_path, vectors):
 def test_ivf_over_budget_merges_on_disk(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, index="IVF16,Flat", index_memory_gb=0.0012)
     assert index_build.plan.on_disk(index_build.plan.candidates[0])
-    report = index_build(use_ray=False)
+    report = index_build()
     assert report["on_disk"] and (out / "index" / "index.ivfdata").is_file()
     assert report["bytes"] >= (out / "index" / "index.ivfdata").stat().st_size
     moved = tmp_path / "moved"
@@ -155,14 +155,14 @@ def test_ivf_over_budget_merges_on_disk(tmp_path, vectors):
 
 def test_a_rerun_over_the_same_parts_keeps_the_index(tmp_path, vectors):
     index_build, out = build(tmp_path, vectors, fmt="faiss", index="IVF16,Flat")
-    first = index_build(use_ray=False)
+    first = index_build()
     assert len(list((out / "vectors").glob("*.parquet"))) == UNITS  # the parts stay: resume rests on them
     written = (out / "index" / "index.faiss").stat().st_mtime_ns
     again, _ = build(tmp_path, vectors, fmt="faiss", index="IVF16,Flat")  # rewrites the same parts
-    assert again(use_ray=False)["build_seconds"] > 0
+    assert again()["build_seconds"] > 0
     rebuilt = (out / "index" / "index.faiss").stat().st_mtime_ns
     assert rebuilt > written  # new parts: built again
-    kept = IndexBuild(again.job, again.plan, parts=again.planned)(use_ray=False)
+    kept = IndexBuild(again.job, again.plan, parts=again.planned)()
     assert (out / "index" / "index.faiss").stat().st_mtime_ns == rebuilt  # same parts: kept
     assert kept == json.loads((out / "index" / "index.json").read_text())["report"]
     assert kept["factory"] == first["factory"] and kept["ntotal"] == first["ntotal"]
@@ -177,7 +177,7 @@ def test_a_rerun_over_the_same_parts_keeps_the_index(tmp_path, vectors):
 ])
 def test_ids_native_when_unique_integers(tmp_path, vectors, ids, native):
     index_build, out = build(tmp_path, vectors, ids=ids, index="Flat")
-    report = index_build(use_ray=False)
+    report = index_build()
     assert report["ids"] == ("native" if native else "dense")
     table = pq.read_table(out / "index" / "ids.parquet")
     assert table.schema.field("id").type == ids.type and table["id"].to_pylist() == ids.to_pylist()
@@ -225,7 +225,7 @@ def test_exact_index_scores_one_with_duplicate_vectors(tmp_path, vectors):
     dup = vectors.copy()
     dup[1::2] = dup[0::2]  # every vector twice
     index_build, _ = build(tmp_path, dup, index="Flat")
-    report = index_build(use_ray=False)
+    report = index_build()
     assert report["recall_at_10"] == report["recall_at_1"] == 1.0
 
 
@@ -233,7 +233,7 @@ def test_exact_index_scores_one_with_duplicate_vectors(tmp_path, vectors):
                                      "PCA16,IVF16,Flat", "SQ8", "IVF16,PQ8x4,Refine(SQ8)"])
 def test_every_supported_kind_builds_and_finds_its_rows(tmp_path, vectors, factory):
     index_build, out = build(tmp_path, vectors, index=factory, target_recall=0.5)
-    report = index_build(use_ray=False)
+    report = index_build()
     assert report["ntotal"] == ROWS and report["factory"] == factory
     hits = open_index(out).search_vectors(vectors[[5, 2222]], k=5)
     assert "doc-5" in [i for i, _ in hits[0]] and "doc-2222" in [i for i, _ in hits[1]]

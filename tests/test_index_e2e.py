@@ -167,6 +167,20 @@ def test_changing_only_the_index_reuses_every_unit(tmp_path, corpus, flat, ray_s
     check_recall(out, report, flat[3])
 
 
+def test_a_sharded_index_alone_runs_on_the_drivers_workers(tmp_path, corpus, flat, ray_session):
+    """Nothing left to embed and an IVF index: the shards are added by workers the driver hands the
+    build (embedpipe/cluster/shards.py), on the Ray the driver connected; the index holds every row."""
+    import shutil
+
+    table, folder = corpus
+    shutil.copytree(flat[0], tmp_path / "reshard")
+    out, report, _ = run(tmp_path, folder, name="reshard", format="faiss", index="IVF4,Flat", target_recall=0.9)
+    whole = json.loads((out / "report.json").read_text())
+    assert whole["units"]["encoded"] == 0 and report["factory"] == "IVF4,Flat" and report["ntotal"] == ROWS
+    assert report["kind"] == "ivf" and "merge" in report["stages"]  # added as per-unit shards, then merged
+    check_recall(out, report, flat[3])
+
+
 def test_auto_index_under_a_tight_budget(tmp_path, corpus, flat, ray_session):
     """1.4 MB holds no flat copy of 320 x 384 floats plus overheads: auto compresses, and proves it."""
     table, folder = corpus

@@ -128,6 +128,19 @@ def test_explicit_index_over_budget(tmp_path):
 @pytest.mark.parametrize("output, field, words", [
     ({"index": "IVF4096,PQ"}, "output.index", "must be followed by how vectors are stored"),
     ({"index": "Banana"}, "output.index", "supported forms"),
+    ({"dtype": "int8"}, "output.dtype", "FAISS compresses vectors itself"),
+])
+def test_bad_index_settings_fail_in_preflight(tmp_path, output, field, words):
+    """The factory string and the stored dtype against FAISS: checked by preflight (config.py is the
+    schema alone), before the input or the model is read."""
+    from embedpipe.preflight import preflight
+
+    with pytest.raises(JobError) as err:
+        preflight(_job(tmp_path, **output))
+    assert err.value.field_path == field and words in str(err.value) and "fix:" in str(err.value)
+
+
+@pytest.mark.parametrize("output, field, words", [
     ({"target_recall": 1.5}, "output.target_recall", "not in (0, 1]"),
     ({"index_memory_gb": 0}, "output.index_memory_gb", "must be positive"),
     ({"format": "hnsw"}, "output.format", "not one of parquet, faiss, both"),

@@ -14,6 +14,7 @@ import torch
 
 from embedpipe.config import JobError, load_job
 from embedpipe.models import pool
+from embedpipe.preflight import preflight
 from embedpipe.runtime import Encoder, EncoderSettings
 from tests.conftest import QUICKSTART, write_job
 
@@ -196,19 +197,21 @@ def test_prompt_and_prompt_name_together_is_a_job_error(tmp_path, minilm_dir):
 
 
 def test_unknown_prompt_name_lists_the_available_ones(tmp_path, prompted_dir):
-    with pytest.raises(JobError) as err:
-        load_job(_job(tmp_path, model={"path": str(prompted_dir), "prompt_name": "qeury"}))
+    with pytest.raises(JobError) as err:  # checked against the model in preflight (config.py is the schema alone)
+        preflight(load_job(_job(tmp_path, model={"path": str(prompted_dir), "prompt_name": "qeury"})))
     assert err.value.field_path == "model.prompt_name"
     assert "'query', 'passage', 'empty'" in str(err.value)
     with pytest.raises(JobError, match="the model defines no prompts"):
-        load_job(_job(tmp_path, model={"prompt_name": "query"}))
-    assert load_job(_job(tmp_path, model={"path": str(prompted_dir), "prompt_name": "passage"})).model.prompt_name
+        preflight(load_job(_job(tmp_path, model={"prompt_name": "query"})))
+    plan = preflight(load_job(_job(tmp_path, model={"path": str(prompted_dir), "prompt_name": "passage"})))
+    assert plan.model.prompts["passage"] == PROMPTS["passage"]
 
 
 def test_output_dim_above_the_model_dim_is_a_job_error(tmp_path, minilm_dir):
     with pytest.raises(JobError) as err:
-        load_job(_job(tmp_path, output={"dim": 512}))
+        preflight(load_job(_job(tmp_path, output={"dim": 512})))
     assert err.value.field_path == "output.dim" and "384" in str(err.value) and "fix:" in str(err.value)
-    assert load_job(_job(tmp_path, output={"dim": 384, "dtype": "binary"})).output.dim == 384
+    plan = preflight(load_job(_job(tmp_path, output={"dim": 384, "dtype": "binary"})))
+    assert plan.model.dim == plan.model.vector_dim == 384
     with pytest.raises(ValueError, match="exceeds the model's dimension 384"):
         Encoder(EncoderSettings(model_path=str(minilm_dir), output_dim=385))

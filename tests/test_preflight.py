@@ -106,3 +106,52 @@ def test_cli_reports_bad_input_before_any_worker(tmp_path, monkeypatch):
                     output={"path": str(tmp_path / "out")})
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 3 and "repeat an id" in result.output
+
+
+@pytest.mark.slow
+def test_the_model_is_resolved_once_per_run(tmp_path, ray_session, quickstart_table, monkeypatch):
+    """One resolution of model.path in the driver per run (preflight's), whatever the run does after:
+    output.dim checked against the model, a sharded FAISS index (plan, shard workers, report FLOPs),
+    and an int8 run (calibration and its record). Workers and the calibration task are other processes."""
+    from embedpipe.cluster.driver import run_job
+    from embedpipe.config import load_job
+    from embedpipe.models import resolve
+
+    calls = []
+    real = resolve.resolve_model_path
+
+    def counting(name):
+        calls.append(name)
+        return real(name)
+
+    monkeypatch.setattr(resolve, "resolve_model_path", counting)
+    data = tmp_path / "data.parquet"
+    pq.write_table(quickstart_table.slice(0, 120), data, row_group_size=60)
+    common = dict(input={"path": str(data), "unit_rows": 60}, model={"path": MODEL, "max_seq_len": 32},
+                  batching={"max_tokens": 1024}, cluster={"workers": 1, "cpus_per_worker": 1})
+    for name, output in (("faiss", {"format": "both", "index": "IVF2,Flat", "dim": 128}),
+                         ("int8", {"dtype": "int8", "calibration_rows": 40})):
+        calls.clear()
+        job = load_job(write_job(tmp_path / f"{name}.yaml", output={"path": str(tmp_path / name), **output}, **common))
+        report = run_job(job, progress=False).report
+        assert report["rows"] == 120 and report["flops_per_token"] > 0  # the plan's config.json fed the FLOPs
+        assert calls == [MODEL], f"{name} run: model.path resolved {len(calls)} times in the driver: {calls}"
+    assert (tmp_path / "faiss" / "index" / "index.faiss").is_file() and (tmp_path / "int8" / "quantization.json").is_file()
+
+
+def test_the_run_plan_holds_the_model_and_index_facts(tmp_path, minilm_dir):
+    """Preflight's RunPlan: the resolved model directory, its config.json and dimension, FLOPs per token
+    by the family's rule, the output root, and the index plan (None for parquet)."""
+    from embedpipe.report.flops import flops_per_token_from_config, read_model_config
+
+    pq.write_table(_table(list(range(100))), tmp_path / "d.parquet")
+    raw = {"input": {"path": str(tmp_path / "d.parquet")}, "model": {"path": MODEL},
+           "output": {"path": str(tmp_path / "out"), "format": "faiss", "index": "Flat", "dim": 128}}
+    plan = preflight(parse_job(raw))
+    assert plan.model.dir == minilm_dir.resolve() and plan.model_dir == plan.model.dir
+    assert plan.model.config == read_model_config(minilm_dir) and plan.model.config["model_type"] == "bert"
+    assert (plan.model.dim, plan.model.vector_dim, plan.model.normalize) == (384, 128, True)
+    assert plan.model.flops_per_token(64) == flops_per_token_from_config(plan.model.config, 64) > 0
+    assert plan.output == tmp_path / "out" and plan.rows == 100
+    assert plan.index.candidates[0].factory == "Flat" and plan.index.dim == 128 and plan.index.metric == "inner_product"
+    assert preflight(parse_job({**raw, "output": {"path": str(tmp_path / "out")}})).index is None

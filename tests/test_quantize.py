@@ -126,12 +126,12 @@ def test_calibration_is_kept_once_fitted(tmp_path):
                                                "calibration": json.loads(calibration.to_json())}))
     job = job_from_dict({"input": {"path": str(tmp_path)}, "model": {"path": "sentence-transformers/all-MiniLM-L6-v2"},
                          "output": {"path": str(out), "dtype": "int8"}})
-    got = prepare_quantization(job, [], out, previous=previous, cpus=1, gpus=0)
+    got = prepare_quantization(job, [], out, dim=384, previous=previous, cpus=1, gpus=0)
     assert got == calibration
     assert json.loads((out / RECORD).read_text())["calibration"] == json.loads(calibration.to_json())
-    assert prepare_quantization(job, [], out, previous=None, cpus=1, gpus=0) == calibration  # resumed: its own
+    assert prepare_quantization(job, [], out, dim=384, previous=None, cpus=1, gpus=0) == calibration  # resumed: its own
     binary = job.replace(output={"dtype": "binary"})
-    assert prepare_quantization(binary, [], out, previous=None, cpus=1, gpus=0) is None
+    assert prepare_quantization(binary, [], out, dim=384, previous=None, cpus=1, gpus=0) is None
     assert json.loads((out / RECORD).read_text()) == {"dtype": "binary", "dim": 384, "width": 48}
 
 

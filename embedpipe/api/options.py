@@ -10,8 +10,9 @@ in ``OPTION_SECTIONS`` and takes ``<section>_`` for the next: ``dtype`` is ``mod
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, Iterator
 
 from embedpipe.config import SECTIONS, JobError, JobSpec, parse_section
 
@@ -58,13 +59,36 @@ def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
         raw[section][field] = value
     where = {f"{section}.{field}": key for key, (section, field) in names.items()}
     sections = {}
-    for section, values in raw.items():
-        try:
+    with _as_options(where):
+        for section, values in raw.items():
             sections[section] = parse_section(section, values, source=SOURCE)
-        except JobError as exc:  # name the keyword option, not the job-file field
-            option = where.get(exc.field_path, exc.field_path)
-            raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=SOURCE) from None
     if sections["input"].on_bad_row == "skip":
         raise JobError("on_bad_row", "'skip' would leave rows without a vector (embed returns one row per input)",
                        "pass on_bad_row='error' or 'embed_empty'", source=SOURCE)
-    return JobSpec(**sections)
+    job = JobSpec(**sections)
+    with _as_options(where):
+        _check_against_model(job)
+    return job
+
+
+def _check_against_model(job: JobSpec) -> None:
+    """prompt_name and dim against the model: the check a job run makes in preflight (read only when set)."""
+    if job.model.prompt_name is None and job.output.dim is None:
+        return
+    from embedpipe.models.resolve import resolve_model_path
+    from embedpipe.models.st import model_dim, read_st_spec
+    from embedpipe.preflight import check_model_options
+
+    root = resolve_model_path(job.model.path)  # ModelNotFound names the model and the fix
+    spec = read_st_spec(root, allow_pickle=job.model.allow_pickle)
+    check_model_options(job, spec=spec, dim=model_dim(root, spec))
+
+
+@contextlib.contextmanager
+def _as_options(where: dict[str, str]) -> Iterator[None]:
+    """A JobError names the keyword option, not the job-file field."""
+    try:
+        yield
+    except JobError as exc:
+        option = where.get(exc.field_path, exc.field_path)
+        raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=SOURCE) from None

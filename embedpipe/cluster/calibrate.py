@@ -52,12 +52,13 @@ def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
     return Encoder(EncoderSettings.from_job(job, threads=threads)).embed(texts)
 
 
-def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, previous: str | Path | None,
+def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: int, previous: str | Path | None,
                          cpus: float, gpus: float) -> Calibration | None:
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
 
     Order: this output's record (a resumed run), the previous version's (an incremental run), else
     fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
+    ``dim``: the stored vectors' dimension, from the run's plan (``RunPlan.model.vector_dim``).
     """
     dtype = job.output.dtype
     if not stored_type(dtype).quantized:
@@ -72,7 +73,7 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, previ
                 break
         else:
             calibration = fit(job, units, cpus=cpus, gpus=gpus)
-    record = quantization_record(dtype=dtype, dim=_vector_dim(job), calibration=calibration)
+    record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
     (output / RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return calibration
 
@@ -89,14 +90,3 @@ def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float) -> Calibra
     log.info("int8 calibration fitted on %d sampled rows", len(texts))
     return fit_calibration(vectors, precision=o.dtype, seed=o.calibration_seed,
                            input_rows=sum(u.num_rows for u in units))
-
-
-def _vector_dim(job: JobSpec) -> int:
-    """D of the stored vectors, without loading weights: output.dim, else the model directory's."""
-    if job.output.dim is not None:
-        return job.output.dim
-    from embedpipe.models.resolve import resolve_model_path
-    from embedpipe.models.st import model_dim, read_st_spec
-
-    root = resolve_model_path(job.model.path)
-    return model_dim(root, read_st_spec(root))

@@ -20,18 +20,18 @@ from tqdm.auto import tqdm
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.connect import connect, plan_workers
 from embedpipe.cluster.scheduler import Liveness, Scheduler
+from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
 from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
-from embedpipe.index.build import plan_index_build
+from embedpipe.index.build import IndexBuild, plan_index_build
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.writer import write_table_atomic
-from embedpipe.preflight import Plan, preflight
+from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
-from embedpipe.report.flops import read_model_config
 from embedpipe.report.history import record_run
 from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 from embedpipe.report.outputs import write_renderings
@@ -60,7 +60,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         return _run_once(job, plan, progress=progress, overwrite=overwrite)
 
 
-def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool) -> RunResult:
+def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool) -> RunResult:
     root = Path(job.output.path)
     claim_output(root, kind="versioned")
     if overwrite:
@@ -89,10 +89,10 @@ def _run_versioned(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool)
     return result
 
 
-def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
+def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
               previous_rows: int = 0) -> RunResult:
     started, started_at = time.perf_counter(), time.time()
-    index_build = plan_index_build(job, plan.units)  # None for parquet; a bad index setting fails here
+    index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
     manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
@@ -112,7 +112,8 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
         started_ray = connect(job.cluster)
         try:
             workers = plan_workers(job.cluster)
-            calibration = prepare_quantization(job, plan.units, output, cpus=workers.cpus_per_worker,
+            calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
+                                               cpus=workers.cpus_per_worker,
                                                gpus=workers.gpus_per_worker,
                                                previous=Path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
@@ -137,12 +138,13 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
-            index_report = index_build() if index_build else None  # while Ray is up: sample, train, add, merge, recall
+            # while Ray is up: sample, train, add (shards on this Ray's workers), merge, recall
+            index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
             if started_ray:
                 ray.shutdown()
     else:
-        index_report = index_build() if index_build else None  # nothing left to embed: the index step alone
+        index_report = _index_alone(job, index_build) if index_build else None  # nothing left to embed
 
     total = Counters()
     for record in manifest.done().values():
@@ -165,7 +167,7 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
-        started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=_model_config(job),
+        started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,
         cost=job.cost)})
     fill_usd_saved(report, this_run=this_run)
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
@@ -173,13 +175,16 @@ def _run_once(job: JobSpec, plan: Plan, *, progress: bool, overwrite: bool, incr
     return RunResult(output_path=output, report=report)
 
 
-def _model_config(job: JobSpec) -> dict | None:
-    """config.json of the job's model, for FLOPs per token; None (MFU unknown) when unreadable here."""
+def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
+    """The index step of a run with nothing left to embed; shard workers get a Ray connected for them."""
+    if not index_build.needs_workers:
+        return index_build()
+    started_ray = connect(job.cluster)
     try:
-        return read_model_config(job.model.path)
-    except (OSError, ValueError) as exc:
-        log.warning("model FLOPs unknown, MFU not reported: %s", exc)
-        return None
+        return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster)))
+    finally:
+        if started_ray:
+            ray.shutdown()
 
 
 def _merge_skipped(manifest: Manifest, output: Path) -> None:

@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -33,11 +34,15 @@ from embedpipe.index.merge import merge_in_memory, merge_on_disk
 from embedpipe.index.parts import Part, Sample, UniformSampler, existing_parts, read_ids, read_vectors
 from embedpipe.index.plan import IndexPlan, index_dir
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
-from embedpipe.index.shard import ShardBuilder, ShardContext, ShardWorker
+from embedpipe.index.shard import ShardBuilder, ShardContext, ShardResult
 from embedpipe.index.train import train_index
 from embedpipe.report.counters import Counters
 
 log = logging.getLogger(__name__)
+
+# (context, parts) -> shard results as they finish: the cluster runs ShardWorker tasks (the index
+# package never starts or joins Ray itself; embedpipe/cluster/shards.py is the driver's)
+RunShards = Callable[[ShardContext, list[Part]], Iterable[ShardResult]]
 
 K = 10
 FORMAT_VERSION = 1
@@ -78,13 +83,20 @@ class IndexBuild:
 
     def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part]):
         self.job, self.plan, self.planned = job, plan, parts
+        self.run_shards: RunShards | None = None
         self.dir = index_dir(job)
         self.work = self.dir / "_build"
         self.timer = Counters(stages={})  # seconds per index stage: sample, train, add, merge, tune, write
 
-    def __call__(self, *, use_ray: bool = True) -> dict:
+    @property
+    def needs_workers(self) -> bool:
+        """Some candidate is added as per-unit shards, by workers when the caller hands ``run_shards``."""
+        return any(spec.sharded for spec in self.plan.candidates)
+
+    def __call__(self, *, run_shards: RunShards | None = None) -> dict:
         """Build (or keep the index an earlier run built from these same parts); the report section.
-        ``use_ray=False`` adds the shards in this process (tests, notebooks)."""
+        ``run_shards`` runs the shard tasks on workers (the driver's, on the Ray it already connected);
+        None adds the shards in this process (tests, notebooks)."""
         started = time.perf_counter()
         self.parts = existing_parts(self.planned)
         missing = len(self.planned) - len(self.parts)
@@ -97,7 +109,7 @@ class IndexBuild:
             return previous
         self.plan = dataclasses.replace(self.plan, rows=sum(p.rows for p in self.parts))
         self.k = min(K, self.plan.rows - 1)
-        self.use_ray = use_ray
+        self.run_shards = run_shards
         (self.dir / "index.json").unlink(missing_ok=True)  # not finished until written again
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
@@ -198,8 +210,8 @@ class IndexBuild:
         context = ShardContext(trained=faiss.serialize_index(index), ids=ids,
                                queries=sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric,
                                shard_dir=str(shard_dir))
-        if self.use_ray:
-            results = _on_shard_workers(self.job, context, self.parts)
+        if self.run_shards is not None:
+            results = self.run_shards(context, self.parts)
         else:  # the same shard builder, in this process
             builder = ShardBuilder(context)
             results = (builder(part) for part in self.parts)
@@ -295,35 +307,10 @@ class IndexBuild:
                 f"output.target_recall {self.plan.target_recall}: {fix}")
 
 
-def plan_index_build(job: JobSpec, units: list) -> IndexBuild | None:
-    """The driver's index step for ``units``, checked before any worker starts (JobError names the
-    field); None when the job writes no index."""
-    if job.output.format == "parquet":
+def plan_index_build(job: JobSpec, units: list, plan: IndexPlan | None) -> IndexBuild | None:
+    """The driver's index step for ``units`` and the run's index plan (checked by preflight); None
+    when the job writes no index."""
+    if plan is None:
         return None
-    from embedpipe.index.plan import plan_index
-
-    plan = plan_index(job, rows=sum(u.num_rows for u in units))
     vectors = Path(job.output.path) / "vectors"  # where ParquetPartWriter puts each unit's part
     return IndexBuild(job, plan, parts=[Part(u.id, str(vectors / f"part-{u.id}.parquet"), u.num_rows) for u in units])
-
-
-def _on_shard_workers(job: JobSpec, context: ShardContext, parts: list[Part]):
-    """Shard results as workers finish them: one ShardWorker actor per worker slot (no model, the
-    trained index once through the object store), under the cluster Scheduler (dead workers retried)."""
-    import ray
-
-    from embedpipe.cluster.connect import connect, plan_workers
-    from embedpipe.cluster.scheduler import Liveness, Scheduler
-
-    started = connect(job.cluster)
-    try:
-        workers = plan_workers(job.cluster)
-        ref = ray.put(context)
-        actor_cls = ray.remote(ShardWorker).options(num_cpus=workers.cpus_per_worker, max_restarts=0)
-        scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(ref), workers=min(workers.workers, len(parts)),
-                              max_attempts=job.cluster.max_attempts, on_error="fail",  # a lost shard = a wrong index
-                              liveness=Liveness.from_config(job.cluster), resources={"CPU": workers.cpus_per_worker})
-        yield from scheduler.run(parts)
-    finally:
-        if started:
-            ray.shutdown()

@@ -1,6 +1,6 @@
 """What index to build: the job's factory string or ``auto``, checked against the corpus and the model.
 
-Runs before any worker starts (``embedpipe validate`` and the driver), so a bad index setting fails
+Runs in preflight, before any worker starts (``embedpipe validate`` and ``run``), so a bad index setting fails
 with the field to fix. ``auto`` rules (docs/index.md):
 
 1. exact ``Flat`` while the corpus has at most ``EXACT_MAX_ROWS`` rows and fits the budget;
@@ -32,7 +32,7 @@ AUTO_TRIES = 3
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the index needs from the model, read from its files without loading weights."""
+    """What the index needs from the model (``RunPlan.model.index_facts()``: read once by preflight)."""
 
     dim: int
     normalize: bool
@@ -68,24 +68,10 @@ class IndexPlan:
         return min(want, cap, self.rows)
 
 
-def model_facts(job: JobSpec) -> ModelFacts:
-    from embedpipe.models.resolve import ModelNotFound, resolve_model_path
-    from embedpipe.models.st import model_dim, read_st_spec
-
-    try:
-        root = resolve_model_path(job.model.path)
-    except ModelNotFound as exc:
-        raise JobError("model.path", str(exc), "install the model where the driver runs too") from None
-    spec = read_st_spec(root)
-    normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
-    return ModelFacts(dim=job.output.dim or model_dim(root, spec), normalize=normalize,
-                      query_prompt=spec.prompts.get("query", ""))
-
-
-def plan_index(job: JobSpec, *, rows: int, model: ModelFacts | None = None) -> IndexPlan:
-    """Check the index settings against the corpus size and the model; raise JobError naming the field."""
+def plan_index(job: JobSpec, *, rows: int, model: ModelFacts) -> IndexPlan:
+    """Check the index settings against the corpus size and the model (its facts from the run's
+    plan, embedpipe/preflight.py); raise JobError naming the field."""
     out = job.output
-    model = model or model_facts(job)
     budget = int(out.index_memory_gb * GB)
     metric = "inner_product" if model.normalize else "l2"
     if rows < 2:

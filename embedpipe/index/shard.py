@@ -76,8 +76,9 @@ class ShardBuilder:
 
 
 class ShardWorker:
-    """The Ray actor of a sharded build (no model: only the trained index); the build wraps it with
-    ``ray.remote`` and runs it under the cluster Scheduler, so a dead worker's unit is retried."""
+    """The Ray actor of a sharded build (no model: only the trained index); the driver's shard runner
+    (embedpipe/cluster/shards.py) wraps it with ``ray.remote`` and runs it under the cluster
+    Scheduler, so a dead worker's unit is retried."""
 
     def __init__(self, context: ShardContext):
         self.builder = ShardBuilder(context)

@@ -59,15 +59,13 @@ def effective_seq_len(*, tokens: int, tokens_squared: int) -> float:
     return tokens_squared / tokens if tokens else 0.0
 
 
-def read_model_config(model_path: str) -> dict:
-    """config.json of the transformer in a model directory (a sentence-transformers folder's
-    Transformer module, or the directory itself), resolved offline like the workers do."""
-    from embedpipe.models.resolve import resolve_model_path
+def read_model_config(model_dir: str | Path, *, transformer_dir: str | None = None) -> dict:
+    """config.json of the transformer in a resolved model directory (``embedpipe/preflight.py`` resolves
+    ``model.path`` once per run and keeps the result): its sentence-transformers Transformer module's
+    folder, ``transformer_dir`` (None: as ``models/st.py`` reads it from modules.json), else the directory."""
+    root = Path(model_dir)
+    if transformer_dir is None:
+        from embedpipe.models.st import read_st_spec
 
-    root = resolve_model_path(model_path)
-    sub = ""
-    modules = root / "modules.json"
-    if modules.is_file():
-        sub = next((m.get("path", "") for m in json.loads(modules.read_text())
-                    if m.get("type", "").rsplit(".", 1)[-1] == "Transformer"), "")
-    return json.loads((Path(root) / sub / "config.json").read_text())
+        transformer_dir = read_st_spec(root).transformer_dir
+    return json.loads((root / transformer_dir / "config.json").read_text())
