@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from embedpipe.config import JobError, JobSpec
+from embedpipe.errors import BadJob
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.rows import null_id_error
 from embedpipe.units import InputError, Unit
@@ -30,7 +31,7 @@ from embedpipe.units import InputError, Unit
 MAX_LISTED = 5  # duplicate ids named in an error message
 
 
-class ModelError(ValueError):
+class ModelError(BadJob, ValueError):
     """The model directory cannot be used as it is: names the file and the fix."""
 
 
