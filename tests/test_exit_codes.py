@@ -164,7 +164,8 @@ def _records(out: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
+                                          pytest.param(signal.SIGINT, 130, id="SIGINT")])
 def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_units, tiny_model, ray_session,
                                                               signum, code):
     table, folder = many_units
