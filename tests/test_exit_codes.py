@@ -164,10 +164,12 @@ def _records(out: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code", [pytest.param(signal.SIGTERM, 143, id="SIGTERM"),
-                                          pytest.param(signal.SIGINT, 130, id="SIGINT")])
+@pytest.mark.parametrize("signum, code, group", [
+    pytest.param(signal.SIGTERM, 143, False, id="SIGTERM"),  # Kubernetes: to the container's main process
+    pytest.param(signal.SIGINT, 130, True, id="SIGINT"),  # Ctrl-C: to the whole group, its local Ray included
+])
 def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_units, tiny_model, ray_session,
-                                                              signum, code):
+                                                              signum, code, group):
     table, folder = many_units
     out = tmp_path / "out"
     job = _job(tmp_path, str(folder), input={"path": str(folder), "unit_rows": 10}, model={"path": str(tiny_model)},
@@ -180,7 +182,10 @@ def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_uni
     while _records(out) < 1 and time.time() < deadline and driver.poll() is None:
         time.sleep(0.05)
     assert driver.poll() is None, "the driver finished before it could be stopped"
-    driver.send_signal(signum)
+    if group:
+        os.killpg(driver.pid, signum)  # start_new_session: the driver leads its own group
+    else:
+        driver.send_signal(signum)
     _, stderr = driver.communicate(timeout=120)
 
     assert driver.returncode == code, stderr
