@@ -63,6 +63,8 @@ def plan_units(files: list[str], *, unit_rows: int) -> list[Unit]:
         try:
             with pq.ParquetFile(fs.arrow_source(file)) as pf:
                 meta = pf.metadata
+        except StorageError:  # the store's own line already names the URL and the fix
+            raise
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
         start, rows, first_row = 0, 0, 0

@@ -101,7 +101,7 @@ def isdir(path: str) -> bool:
 def open_binary(path: str) -> Iterator[BinaryIO]:
     """A seekable binary file for reading, local or remote."""
     if not is_url(path):
-        with open(path, "rb") as f:
+        with fsspec.open(str(path), "rb") as f:
             yield f
         return
     fs, inner = filesystem(path)
