@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -16,8 +17,9 @@ SetOpt = Annotated[Optional[list[str]], typer.Option(
     "--set", help="Override a job field: --set output.path=/tmp/out (repeatable).", show_default=False)]
 
 
-# Exit codes are a contract for schedulers (docs/operations.md): 0 success, then one per kind of failure.
-EXIT_BAD_JOB, EXIT_BAD_INPUT, EXIT_RUN_FAILED, EXIT_BUSY = 2, 3, 4, 5
+# Exit codes are a contract for schedulers (docs/operations.md): 0 success, then one per kind of failure;
+# each embedpipe error carries its own (embedpipe/errors.py), these name the ones the CLI gives itself.
+EXIT_BAD_JOB, EXIT_RUN_FAILED = 2, 4
 
 
 def _fail(exc: BaseException, code: int) -> typer.Exit:
@@ -26,13 +28,34 @@ def _fail(exc: BaseException, code: int) -> typer.Exit:
     return typer.Exit(code=code)
 
 
-def _load(job_file: Path, overrides: list[str] | None):
-    from embedpipe.config import JobError, load_job
+@contextmanager
+def _exit_codes(*, cluster: bool = False) -> Iterator[None]:
+    """The one mapping from a failure to its exit code and its one line on stderr: an embedpipe error by its
+    kind, an interrupt (Ctrl-C, SIGTERM) as `interrupted:`; with ``cluster``, any other runtime or OS error
+    (the cluster, the disk: the run could not finish) as exit 4. Anything else is a bug: its traceback stays."""
+    from embedpipe.errors import EmbedpipeError, Interrupted
 
     try:
+        yield
+    except typer.Exit:  # click's Exit is a RuntimeError: never remapped
+        raise
+    except KeyboardInterrupt as exc:
+        stop = exc if isinstance(exc, Interrupted) else Interrupted()
+        typer.echo("interrupted: " + stop.line(), err=True)
+        raise typer.Exit(code=stop.exit_code) from None
+    except EmbedpipeError as exc:
+        raise _fail(exc, exc.exit_code) from None
+    except (RuntimeError, ConnectionError, OSError) as exc:
+        if not cluster:
+            raise
+        raise _fail(exc, EXIT_RUN_FAILED) from None
+
+
+def _load(job_file: Path, overrides: list[str] | None):
+    from embedpipe.config import load_job
+
+    with _exit_codes():
         return load_job(job_file, overrides=overrides)
-    except JobError as exc:
-        raise _fail(exc, EXIT_BAD_JOB) from None
 
 
 @app.command()
@@ -45,29 +68,10 @@ def run(job_file: JobFile, set_: SetOpt = None,
     """
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
-    from embedpipe.cluster.scheduler import UnitFailed
-    from embedpipe.config import JobError
-    from embedpipe.io.lock import OutputBusy
-    from embedpipe.io.ownership import ManifestMismatch, OutputNotOwned
-    from embedpipe.preflight import ModelError
     from embedpipe.report.render import render_table
-    from embedpipe.units import InputError
-    from embedpipe.versions import RunFailed
 
-    try:
+    with _exit_codes(cluster=True):
         result = run_job(job, progress=progress, overwrite=overwrite)
-    except OutputNotOwned as exc:  # a folder embedpipe did not create: nothing there was touched
-        raise _fail(exc, EXIT_BUSY) from None
-    except (ModelError, ManifestMismatch, JobError) as exc:  # JobError: settings the data refutes (output.index)
-        raise _fail(exc, EXIT_BAD_JOB) from None
-    except InputError as exc:
-        raise _fail(exc, EXIT_BAD_INPUT) from None
-    except (UnitFailed, RunFailed) as exc:
-        raise _fail(exc, EXIT_RUN_FAILED) from None
-    except OutputBusy as exc:
-        raise _fail(exc, EXIT_BUSY) from None
-    except (RuntimeError, ConnectionError, OSError) as exc:  # the cluster, the disk: the run could not finish
-        raise _fail(exc, EXIT_RUN_FAILED) from None
     typer.echo(render_table(result.report))
     if "version" in result.report:
         typer.echo(f"CURRENT -> {result.report['version']['run_id']}")
@@ -79,16 +83,10 @@ def run(job_file: JobFile, set_: SetOpt = None,
 def validate(job_file: JobFile, set_: SetOpt = None) -> None:
     """Check a job file, its input files and its model without running it."""
     job = _load(job_file, set_)
-    from embedpipe.config import JobError
-    from embedpipe.preflight import ModelError, preflight
-    from embedpipe.units import InputError
+    from embedpipe.preflight import preflight
 
-    try:
+    with _exit_codes():
         plan = preflight(job)
-    except (ModelError, JobError) as exc:  # JobError: settings the model, the data or the output refutes
-        raise _fail(exc, EXIT_BAD_JOB) from None
-    except InputError as exc:
-        raise _fail(exc, EXIT_BAD_INPUT) from None
     typer.echo(f"ok: {job.name}: {len(plan.units)} units, {plan.rows:,} rows; model {plan.model.dir}")
     if plan.index is not None:
         from embedpipe.index.plan import describe_plan
@@ -104,12 +102,10 @@ def search(output_dir: Annotated[Path, typer.Argument(help="A job's output.path 
                help="Put before the query (e.g. 'query: '); default: the model's own query prompt, if any.",
                show_default=False)] = None) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable."""
-    from embedpipe.index.search import IndexNotFound, open_index
+    from embedpipe.index.search import open_index
 
-    try:
+    with _exit_codes():
         index = open_index(output_dir, query_prompt=prompt)
-    except IndexNotFound as exc:
-        raise _fail(exc, EXIT_BAD_JOB) from None
     [hits] = index.search([query], k=k)
     texts = index.source_texts([i for i, _ in hits])
     for rank, (id_, score) in enumerate(hits, 1):

@@ -28,10 +28,12 @@ from typing import Any, Literal
 
 import yaml
 
+from embedpipe.errors import BadJob
+
 REQUIRED: Any = object()  # sentinel default: the field must be set in the job file
 
 
-class JobError(ValueError):
+class JobError(BadJob, ValueError):
     """A job file problem: names the field, the bad value and the fix."""
 
     def __init__(self, field_path: str, problem: str, fix: str, *, source: str = "job"):

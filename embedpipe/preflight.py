@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from embedpipe.config import JobError, JobSpec, OutputConfig
+from embedpipe.errors import BadJob
 from embedpipe.index.factory import FactoryError, parse_factory
 from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
 from embedpipe.io.formats import UnitReader, plan_input
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 MAX_LISTED = 5  # duplicate ids named in an error message
 
 
-class ModelError(ValueError):
+class ModelError(BadJob, ValueError):
     """The model directory cannot be used as it is: names the file and the fix."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
+from embedpipe.errors import BadInput
 from embedpipe.io import fs
 
 
@@ -34,8 +35,12 @@ class Unit:
         return f"unit {self.id} ({self.file}, rows {self.row_start}..{self.row_start + self.num_rows - 1})"
 
 
-class InputError(ValueError):
+class InputError(BadInput, ValueError):
     """The input cannot be read as the job asks: names the file and the fix."""
+
+
+class StorageError(InputError):
+    """An input URL the remote store (or its fsspec package) cannot serve: names the URL and the fix."""
 
 
 def list_files(path: str, *, suffixes: tuple[str, ...] = (".parquet",), kind: str = "Parquet") -> list[str]:
@@ -58,6 +63,8 @@ def plan_units(files: list[str], *, unit_rows: int) -> list[Unit]:
         try:
             with pq.ParquetFile(fs.arrow_source(file)) as pf:
                 meta = pf.metadata
+        except StorageError:  # the store's own line already names the URL and the fix
+            raise
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
         start, rows, first_row = 0, 0, 0

@@ -22,13 +22,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
+from embedpipe.errors import RunError
 from embedpipe.io.manifest import MANIFEST, Manifest, atomic_write, vector_salt
 from embedpipe.io.ownership import is_output, remove_owned
 
 CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
 
 
-class RunFailed(RuntimeError):
+class RunFailed(RunError, RuntimeError):
     """The run finished but did not validate: CURRENT was left where it was."""
 
 

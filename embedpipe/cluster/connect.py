@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import ray
 
@@ -25,6 +29,26 @@ def connect(cfg: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    with _keep_signal_handlers():
+        _init(cfg)
+    return True
+
+
+@contextmanager
+def _keep_signal_handlers() -> Iterator[None]:
+    """ray.init replaces SIGTERM's handler (sys.exit, behind a C++ stack dump, exit 134 or 15): a SIGTERM or
+    SIGINT handler the driver set from Python (run_job's interrupt) is put back, so a signal stops the run
+    cleanly. Handlers nobody set (the defaults) are left as Ray set them."""
+    ours = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum, handler in ours.items():
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(signum, handler)
+
+
+def _init(cfg: ClusterConfig) -> None:
     if cfg.address:
         address = _use_token_if_available(cfg.address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
@@ -34,7 +58,6 @@ def connect(cfg: ClusterConfig) -> bool:
         # "local": always a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
         ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
                  logging_level=logging.WARNING)
-    return True
 
 
 PROBE_SECONDS = 10.0  # how long the join waits for the head's answer to "do you ask for a token?"

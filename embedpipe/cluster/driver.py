@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 import resource
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,6 +28,7 @@ from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
 from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
+from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
@@ -51,13 +56,61 @@ class RunResult:
 
 
 def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
-    """Run a job to completion (resuming its own unfinished output); one live run per output path."""
-    check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
-    plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
-    with OutputLock(job.output.path):
+    """Run a job to completion (resuming its own unfinished output); one live run per output path.
+
+    SIGTERM (Airflow, Kubernetes) stops it as Ctrl-C does: the lock is released, Ray shut down, finished
+    units kept; it raises `Interrupted` with how many of the plan's units are done.
+    """
+    with _signals_interrupt():
+        check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
+        plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
+        try:
+            with OutputLock(job.output.path):
+                if job.output.versioned:
+                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
+                return _run_once(job, plan, progress=progress, overwrite=overwrite)
+        except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
+            raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
+                              total=len(plan.units)) from None
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT raise `Interrupted` in the main thread, for the first signal only: a second one
+    while the run cleans up (lock, Ray) is ignored so the cleanup finishes. Handlers restored on the way out;
+    outside the main thread (where Python cannot set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping: list[int] = []
+
+    def stop(signum: int, frame) -> None:
+        if stopping:
+            return
+        stopping.append(signum)
+        raise Interrupted(signum=signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _units_done(job: JobSpec, plan: Plan) -> int | None:
+    """The plan's units with a finished record where the rerun will look (for versioned outputs: the
+    unfinished version it resumes); None when that cannot be read."""
+    try:
+        output = Path(job.output.path)
         if job.output.versioned:
-            return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
-        return _run_once(job, plan, progress=progress, overwrite=overwrite)
+            fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
+            output = output / versions.VERSIONS / versions.choose_version(output, fingerprint)
+        unit_ids = {u.id for u in plan.units}
+        return sum(1 for unit_id in Manifest(output).done() if unit_id in unit_ids)
+    except (OSError, ValueError) as exc:
+        log.warning("units done unknown: %s", exc)
+        return None
 
 
 def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool) -> RunResult:

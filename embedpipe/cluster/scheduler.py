@@ -32,6 +32,7 @@ import ray
 import ray.exceptions as rex
 
 from embedpipe.config import UNIT_TIMEOUT_FACTOR, UNIT_TIMEOUT_FLOOR_S, ClusterConfig
+from embedpipe.errors import RunError
 from embedpipe.units import InputError, Unit
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,11 @@ POLL_S = 1.0  # longest wait between liveness checks (placement is polled at thi
 Cause = Literal["died", "timeout", "error"]
 
 
-class UnitFailed(RuntimeError):
+class UnitFailed(RunError, RuntimeError):
     """A unit failed ``max_attempts`` times with ``on_error: fail``, or a disk error stopped the run."""
 
 
-class NoWorkerPlaced(RuntimeError):
+class NoWorkerPlaced(RunError, RuntimeError):
     """Every worker slot was given up: Ray could place none of their actors."""
 
 

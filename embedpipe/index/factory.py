@@ -19,6 +19,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from embedpipe.errors import BadJob
+
 SUPPORTED = ("Flat, HNSW32, HNSW32_SQ8, IVF1024,Flat, IVF4096,SQ8, IVF4096,SQfp16, IVF4096,PQ32, IVF4096,PQ32x4fs, "
              "OPQ16_64,IVF65536_HNSW32,PQ16, IVF4096,PQ32,RFlat, IVF4096,PQ32,Refine(SQ8), PQ32, SQ8")
 
@@ -33,7 +35,7 @@ IDMAP2_BYTES = 48  # per vector: the id (8) and IndexIDMap2's reverse hash map e
 IVF_ID_BYTES = 8  # per vector: the id stored beside the code in the inverted list
 
 
-class FactoryError(ValueError):
+class FactoryError(BadJob, ValueError):
     """A factory string embedpipe cannot build; the message says what is wrong and what works."""
 
 

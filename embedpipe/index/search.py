@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
+from embedpipe.errors import BadJob
 from embedpipe.index.ids import IdLookup
 
 
-class IndexNotFound(FileNotFoundError):
+class IndexNotFound(BadJob, FileNotFoundError):
     pass
 
 

@@ -4,6 +4,10 @@
 Names keep the form they were given in: a local input lists as local paths, a URL input lists as
 URLs (with their protocol), so a unit's file can be opened on any worker that has the same
 credentials and fsspec implementation installed.
+
+A URL that its store cannot serve (no fsspec package for the protocol, an unreachable endpoint, no
+credentials, a missing bucket or key) fails here as a `StorageError` (bad input, exit 3) whose one
+line names the URL and the fix, whatever the backend raised (fsspec, botocore, aiohttp, gcsfs).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 import posixpath
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -19,6 +24,7 @@ import fsspec
 import fsspec.core
 import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations
 
 
 def is_url(path: str) -> bool:
@@ -28,7 +34,21 @@ def is_url(path: str) -> bool:
 
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem of ``path`` and the path within it (protocol stripped)."""
-    return fsspec.core.url_to_fs(str(path))
+    with remote_errors(path):
+        return fsspec.core.url_to_fs(str(path))
+
+
+@contextmanager
+def remote_errors(url: str) -> Iterator[None]:
+    """What the store behind ``url`` raises, as one `StorageError` line naming the URL and the fix."""
+    try:
+        yield
+    except _storage_errors() as exc:
+        from embedpipe.units import StorageError  # units imports this module
+
+        if isinstance(exc, StorageError):
+            raise
+        raise StorageError(f"{url}: {_diagnose(url, exc)}") from None
 
 
 def join(base: str, *names: str) -> str:
@@ -51,12 +71,13 @@ def expand(path: str, *, suffixes: tuple[str, ...] | None = None) -> list[str]:
             return sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and _suffix_ok(p.name, suffixes))
         return [path] if os.path.isfile(path) else []
     fs, inner = filesystem(path)
-    if glob.has_magic(inner):
-        found = [p for p in fs.glob(inner) if fs.isfile(p)]
-    elif fs.isdir(inner):
-        found = [p for p in fs.find(inner) if _suffix_ok(posixpath.basename(p), suffixes)]
-    else:
-        found = [inner] if fs.isfile(inner) else []
+    with remote_errors(path):
+        if glob.has_magic(inner):
+            found = [p for p in fs.glob(inner) if fs.isfile(p)]
+        elif fs.isdir(inner):
+            found = [p for p in fs.find(inner) if _suffix_ok(posixpath.basename(p), suffixes)]
+        else:
+            found = [inner] if fs.isfile(inner) else []
     return sorted(_unstrip(fs, p, like=path) for p in found)
 
 
@@ -64,20 +85,29 @@ def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
     fs, inner = filesystem(path)
-    return fs.exists(inner)
+    with remote_errors(path):
+        return fs.exists(inner)
 
 
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
     fs, inner = filesystem(path)
-    return fs.isdir(inner)
+    with remote_errors(path):
+        return fs.isdir(inner)
 
 
 @contextmanager
 def open_binary(path: str) -> Iterator[BinaryIO]:
     """A seekable binary file for reading, local or remote."""
-    with fsspec.open(str(path), "rb") as f:
+    if not is_url(path):
+        with fsspec.open(str(path), "rb") as f:
+            yield f
+        return
+    fs, inner = filesystem(path)
+    with remote_errors(path):
+        f = fs.open(inner, "rb")
+    with f:
         yield f
 
 
@@ -89,7 +119,8 @@ def arrow_source(path: str, *, memory_map: bool = False) -> str | pa.NativeFile:
     fs, inner = filesystem(path)
     if isinstance(fs, LocalFileSystem):  # file:// URLs: still native IO
         return pa.memory_map(inner) if memory_map else inner
-    return pa.PythonFile(fs.open(inner, "rb"), mode="r")
+    with remote_errors(path):
+        return pa.PythonFile(fs.open(inner, "rb"), mode="r")
 
 
 def read_text(path: str) -> str:
@@ -107,10 +138,55 @@ def stamp(path: str) -> dict:
         stat = os.stat(path)
         return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     fsys, inner = filesystem(path)
-    info = fsys.info(inner)
+    with remote_errors(path):
+        info = fsys.info(inner)
     keys = ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "created")
     modified = next((info[k] for k in keys if info.get(k) is not None), None)
     return {"path": path, "size": info.get("size"), "modified": str(modified)}
+
+
+def _storage_errors() -> tuple[type[BaseException], ...]:
+    """What a store raises: OS errors (not found, denied, refused, timed out), a missing or unknown backend
+    package (ImportError, ValueError), and the error bases of the backends loaded in this process."""
+    found: list[type[BaseException]] = [OSError, ImportError, ValueError]
+    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",)),
+                          ("gcsfs.retry", ("HttpError",)), ("google.auth.exceptions", ("GoogleAuthError",)),
+                          ("azure.core.exceptions", ("AzureError",))):
+        loaded = sys.modules.get(module)  # a backend not imported yet raised nothing
+        found += [getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name)]
+    return tuple(found)
+
+
+def _diagnose(url: str, exc: BaseException) -> str:
+    """The problem and the fix for one store error, on one line."""
+    protocol = url.split("://", 1)[0] if is_url(url) else "file"
+    said = " ".join(str(exc).split())[:300] or type(exc).__name__
+    package = known_implementations.get(protocol, {}).get("class", "").split(".")[0]
+    name = type(exc).__name__
+    if isinstance(exc, ImportError) or (isinstance(exc, ValueError) and "install" in said.lower()):
+        return (f"no fsspec package for {protocol}:// is installed ({said}): install it (pip install "
+                f"{package or 'the fsspec package of ' + protocol}) on the driver and on every worker")
+    if isinstance(exc, ValueError) and "protocol" in said.lower():
+        return f"{said}: use a local path or a URL of an fsspec protocol (s3://, gs://, az://, memory://, ...)"
+    if isinstance(exc, FileNotFoundError) or name in ("NoSuchBucket", "NoSuchKey"):
+        return f"not found ({said}): check the bucket and the key, and that input.path names existing files"
+    credentials = _CREDENTIALS.get(protocol, "set the store's credentials")
+    if isinstance(exc, PermissionError) or "credential" in name.lower() or "denied" in said.lower():
+        return f"access denied or no credentials ({said}): {credentials}"
+    endpoint = _ENDPOINT.get(protocol, "check the store's endpoint and the network")
+    if "connect" in name.lower() or "connect" in said.lower() or isinstance(exc, (ConnectionError, TimeoutError)):
+        return f"cannot reach the store ({said}): {endpoint}"
+    return f"cannot read it ({name}: {said}): check the URL; {credentials}; {endpoint}"
+
+
+_CREDENTIALS = {
+    "s3": "set credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)",
+    "gs": "set credentials (GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth application-default login)",
+    "gcs": "set credentials (GOOGLE_APPLICATION_CREDENTIALS, or gcloud auth application-default login)",
+}
+_ENDPOINT = {
+    "s3": "check the endpoint (AWS_ENDPOINT_URL for an S3-compatible store, AWS_REGION) and the network",
+}
 
 
 def _suffix_ok(name: str, suffixes: tuple[str, ...] | None) -> bool:

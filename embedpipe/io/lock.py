@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from embedpipe.errors import OutputRefused
+
 LOCK_NAME = ".embedpipe.lock"
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 600.0  # a lock not refreshed for this long belongs to a dead run
@@ -34,7 +36,7 @@ ATTEMPTS = 200  # create / take-over rounds before giving up (another run is mid
 RETRY_SECONDS = 0.005
 
 
-class OutputBusy(RuntimeError):
+class OutputBusy(OutputRefused, RuntimeError):
     """Another live run holds the output path."""
 
 

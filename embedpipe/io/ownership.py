@@ -21,6 +21,7 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
+from embedpipe.errors import BadJob, OutputRefused
 from embedpipe.io.lock import LOCK_NAME
 
 MARKER = ".embedpipe-output"
@@ -36,11 +37,11 @@ CLEANED_DIRS = ("vectors", MANIFEST, f"{MANIFEST}/units", f"{MANIFEST}/skipped",
 TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
 
 
-class ManifestMismatch(RuntimeError):
+class ManifestMismatch(BadJob, RuntimeError):
     """The output path holds another job's output."""
 
 
-class OutputNotOwned(ManifestMismatch):
+class OutputNotOwned(OutputRefused, ManifestMismatch):
     """output.path is a folder embedpipe did not create (or reaches outside itself): nothing is touched."""
 
 

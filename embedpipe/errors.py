@@ -1,0 +1,66 @@
+"""The error contract: every failure embedpipe reports is one of these kinds, with its exit code.
+
+The bottom layer: imports nothing from embedpipe. Each module's own exception subclasses one kind
+(keeping its builtin base too, e.g. ``class InputError(BadInput, ValueError)``), and the CLI maps a
+failure to its exit code by type, in one place, printing the message as one line. The codes are a
+contract for schedulers (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class EmbedpipeError(Exception):
+    """A failure with a one-line message that names the field or file, the problem and the fix."""
+
+    exit_code = 1
+
+    def line(self) -> str:
+        """The message on one line (newlines and runs of spaces folded)."""
+        return " ".join(str(self).split())
+
+
+class BadJob(EmbedpipeError):
+    """A job-file field, the model, or an output holding another job's output: fix the job."""
+
+    exit_code = 2
+
+
+class BadInput(EmbedpipeError):
+    """Input that cannot be read or refuses the job's columns and policies: fix the data or the policy."""
+
+    exit_code = 3
+
+
+class RunError(EmbedpipeError):
+    """The run could not finish (units kept killing workers, validation failed): rerun to resume."""
+
+    exit_code = 4
+
+
+class OutputRefused(EmbedpipeError):
+    """The output path is held by a live run, or is not embedpipe's: nothing there was touched."""
+
+    exit_code = 5
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by SIGINT (Ctrl-C) or SIGTERM; finished units are kept for the rerun.
+
+    A KeyboardInterrupt, not an Exception, so no ``except Exception`` on the way up swallows it; the
+    exit code is the shell's convention for the signal: 130 for SIGINT, 143 for SIGTERM.
+    """
+
+    def __init__(self, *, signum: int = signal.SIGINT, done: int | None = None, total: int | None = None):
+        self.signum, self.done, self.total = int(signum), done, total
+        super().__init__(self.line())
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def line(self) -> str:
+        if self.done is None or self.total is None:
+            return "rerun the same command to resume"
+        return f"rerun the same command to resume ({self.done} of {self.total} units done)"
