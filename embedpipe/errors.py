@@ -45,6 +45,14 @@ class OutputRefused(EmbedpipeError):
     exit_code = 5
 
 
+class InputError(BadInput, ValueError):
+    """The input cannot be read as the job asks: names the file and the fix (also importable from units)."""
+
+
+class StorageError(InputError):
+    """An input URL the remote store (or its fsspec package) cannot serve: names the URL and the fix."""
+
+
 class Interrupted(KeyboardInterrupt):
     """The run was stopped by SIGINT (Ctrl-C) or SIGTERM; finished units are kept for the rerun.
 

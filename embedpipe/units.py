@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from embedpipe.errors import BadInput
+from embedpipe.errors import InputError, StorageError  # noqa: F401 - raised here, imported from here by many
 from embedpipe.io import fs
 
 
@@ -33,14 +33,6 @@ class Unit:
         if self.row_groups:
             return f"unit {self.id} ({self.file}, row groups {self.row_groups[0]}..{self.row_groups[-1]})"
         return f"unit {self.id} ({self.file}, rows {self.row_start}..{self.row_start + self.num_rows - 1})"
-
-
-class InputError(BadInput, ValueError):
-    """The input cannot be read as the job asks: names the file and the fix."""
-
-
-class StorageError(InputError):
-    """An input URL the remote store (or its fsspec package) cannot serve: names the URL and the fix."""
 
 
 def list_files(path: str, *, suffixes: tuple[str, ...] = (".parquet",), kind: str = "Parquet") -> list[str]:

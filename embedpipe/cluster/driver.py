@@ -98,7 +98,7 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
-def _units_done(job: JobSpec, plan: Plan) -> int | None:
+def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
     """The plan's units with a finished record where the rerun will look (for versioned outputs: the
     unfinished version it resumes); None when that cannot be read."""
     try:

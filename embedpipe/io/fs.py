@@ -26,6 +26,8 @@ import pyarrow as pa
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations
 
+from embedpipe.errors import StorageError
+
 
 def is_url(path: str) -> bool:
     """True for `proto://...` (file:// included); plain local paths are not URLs."""
@@ -44,8 +46,6 @@ def remote_errors(url: str) -> Iterator[None]:
     try:
         yield
     except _storage_errors() as exc:
-        from embedpipe.units import StorageError  # units imports this module
-
         if isinstance(exc, StorageError):
             raise
         raise StorageError(f"{url}: {_diagnose(url, exc)}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
 from torch import Tensor, nn
 
 from embedpipe.kernels import attention, plan_attention
