@@ -38,7 +38,7 @@ def option_names() -> dict[str, tuple[str, str]]:
     return names
 
 
-def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
+def job_for_options(model: str, options: dict[str, Any], *, source: str = SOURCE) -> JobSpec:
     """A JobSpec for in-process use: ``model.path=model`` plus the options, each checked by the schema.
 
     Its input and output sections are placeholders: nothing is read or written through them.
@@ -53,18 +53,18 @@ def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
 
             close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}=?" if close else f"known options: {', '.join(sorted(names))}"
-            raise JobError(key, "unknown option", hint, source=SOURCE)
+            raise JobError(key, "unknown option", hint, source=source)
         section, field = names[key]
         raw[section][field] = value
     where = {f"{section}.{field}": key for key, (section, field) in names.items()}
     sections = {}
     for section, values in raw.items():
         try:
-            sections[section] = parse_section(section, values, source=SOURCE)
+            sections[section] = parse_section(section, values, source=source)
         except JobError as exc:  # name the keyword option, not the job-file field
             option = where.get(exc.field_path, exc.field_path)
-            raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=SOURCE) from None
+            raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=source) from None
     if sections["input"].on_bad_row == "skip":
         raise JobError("on_bad_row", "'skip' would leave rows without a vector (embed returns one row per input)",
-                       "pass on_bad_row='error' or 'embed_empty'", source=SOURCE)
+                       "pass on_bad_row='error' or 'embed_empty'", source=source)
     return JobSpec(**sections)
