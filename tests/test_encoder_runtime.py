@@ -72,5 +72,5 @@ def test_from_options_builds_the_sections_through_the_schema(minilm_dir):
     assert encoder.packer.max_tokens == BatchingConfig().max_tokens and encoder.dim == encoder.loaded.dim
     with pytest.raises(JobError, match=r"Encoder.from_options: attention: 'fast' is not one of auto, sdpa"):
         Encoder.from_options(str(minilm_dir), attention="fast")  # runtime.attention's Literal is checked
-    with pytest.raises(JobError, match=r"output_dtype: does not change the encoder's vectors"):
+    with pytest.raises(JobError, match=r"output_dtype: is not an encoder option"):
         Encoder.from_options(str(minilm_dir), output_dtype="int8")

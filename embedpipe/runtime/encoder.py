@@ -24,8 +24,6 @@ from embedpipe.text.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 ENCODER_SECTIONS = ("model", "batching", "runtime")  # the job sections an encoder reads, with output.dim
 
 
@@ -83,8 +81,8 @@ class Encoder:
         names = option_names()
         for key in options:
             if key in names and names[key][0] not in ENCODER_SECTIONS and names[key] != ("output", "dim"):
-                raise JobError(key, "does not change the encoder's vectors",
-                               f"pass {key}= to embed() or set it in a job", source=source)
+                raise JobError(key, "is not an encoder option", f"pass {key}= to embed(), or leave it out: the "
+                               "encoder takes the model, batching and runtime fields and dim", source=source)
         job = job_for_options(model_path, options, source=source)
         return cls.from_job(job, threads=threads)
 
