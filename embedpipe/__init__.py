@@ -14,7 +14,6 @@ _LAZY = {
     "JobSpec": ("embedpipe.config", "JobSpec"),
     "run_job": ("embedpipe.cluster.driver", "run_job"),
     "Encoder": ("embedpipe.runtime", "Encoder"),
-    "EncoderSettings": ("embedpipe.runtime", "EncoderSettings"),
     "open_index": ("embedpipe.index.search", "open_index"),
 }
 

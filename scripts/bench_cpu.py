@@ -134,7 +134,7 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
         return lambda texts: st.encode(texts, batch_size=st_batch_size)
     from unittest import mock
 
-    from embedpipe.runtime import Encoder, EncoderSettings, cpu
+    from embedpipe.runtime import Encoder, cpu
 
     dtype, _, ablation = kind.partition("-")
     extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
@@ -142,7 +142,7 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
         extra["attention"] = "sdpa"
     real = cpu.onednn_linear_works
     with mock.patch.object(cpu, "onednn_linear_works", lambda *dtype: ablation != "mkl" and real(*dtype)):
-        encoder = Encoder(EncoderSettings(model_path=model_dir, dtype=dtype, threads=args.threads, **extra))
+        encoder = Encoder.from_options(model_dir, dtype=dtype, threads=args.threads, **extra)
     return encoder.embed
 
 

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
+from embedpipe.config import BatchingConfig  # noqa: E402
 from embedpipe.kernels import select_backend  # noqa: E402
 from embedpipe.report.bench import bench_runner, matmul_peak, model_flops, packed_model  # noqa: E402
 from embedpipe.runtime.runners import DeviceRunner, EagerRunner  # noqa: E402
@@ -276,7 +277,7 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     mixed = random_tokens(mixed_lengths(spec.mixed, max_len=plan.max_len, rng=rng), vocab=vocab, rng=rng)
     row["mixed"] = {"sequences": spec.mixed, "tokens": int(mixed.lengths.sum()),
                     "mean_len": round(float(mixed.lengths.mean()), 1), "max_len": int(mixed.lengths.max())}
-    packer = TokenPacker(max_tokens=plan.max_tokens, sort_window=4096)
+    packer = TokenPacker(max_tokens=plan.max_tokens, sort_window=BatchingConfig().sort_window)  # the job default
     sub = random_tokens(mixed.lengths[:spec.parity], vocab=vocab, rng=rng)
     sub_batches = packer(sub)
 

@@ -58,9 +58,9 @@ def test_embed_list_dataframe_dataset_and_table_give_the_cli_vectors(small_corpu
 
 def test_embed_options_are_the_job_schema_fields(minilm_dir):
     texts = ["a short text", "a somewhat longer text that truncation at eight tokens will cut"]
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    want = Encoder(EncoderSettings(model_path=str(minilm_dir), max_seq_len=8, pooling="cls", normalize=False)).embed(texts)
+    want = Encoder.from_options(str(minilm_dir), max_seq_len=8, pooling="cls", normalize=False).embed(texts)
     got = embedpipe.embed(texts, model=str(minilm_dir), max_seq_len=8, pooling="cls", normalize=False)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
     assert np.abs(got - embedpipe.embed(texts, model=str(minilm_dir))).max() > 1e-2  # the options did something
@@ -80,10 +80,10 @@ def test_embed_prompt_dim_and_quantized_outputs(minilm_dir, tmp_path):
     """prompt, dim and output_dtype as the job applies them; int8 ranges fitted on the inputs or
     taken from a job's quantization.json (queries quantized as that job's vectors were)."""
     from embedpipe.io.quantize import Calibration, fit_calibration, quantize
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
     texts = [f"text number {i} about {w}" for i, w in enumerate(["disks", "memory", "scheduling", "ext4"] * 5)]
-    floats = Encoder(EncoderSettings(model_path=str(minilm_dir), prompt="query: ", output_dim=128)).embed(texts)
+    floats = Encoder.from_options(str(minilm_dir), prompt="query: ", dim=128).embed(texts)
     got = embedpipe.embed(texts, model=str(minilm_dir), prompt="query: ", dim=128)
     np.testing.assert_allclose(got, floats, rtol=0, atol=1e-6)
     assert np.abs(got - embedpipe.embed(texts, model=str(minilm_dir), dim=128)).max() > 1e-2  # the prompt counts
@@ -150,9 +150,9 @@ def test_bad_embed_inputs_say_what_to_pass(minilm_dir):
         embedpipe.embed(["a"], model=MODEL, on_bad_row="skip")
     # embed_empty: a bad row is embedded as "", as a job with input.on_bad_row: embed_empty does
     got = embedpipe.embed(pa.table({"text": ["a", None, ""]}), model=MODEL, on_bad_row="embed_empty")
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    np.testing.assert_allclose(got, Encoder(EncoderSettings(model_path=str(minilm_dir))).embed(["a", "", ""]), atol=1e-6)
+    np.testing.assert_allclose(got, Encoder.from_options(str(minilm_dir)).embed(["a", "", ""]), atol=1e-6)
     with pytest.raises(TypeError, match="pass a string, a list of strings"):
         embedpipe.embed(42, model=MODEL)
     assert embedpipe.embed([], model=MODEL).shape == (0, 384)

@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from embedpipe.config import JobError, load_job
-from embedpipe.runtime import EncoderSettings
-from embedpipe.runtime.runners import RunnerSettings
+from embedpipe.config import BatchingConfig, JobError, RuntimeConfig, load_job
+from embedpipe.runtime import Encoder
 from tests.test_config import _job
 
 
 def test_defaults_and_their_path_into_the_encoder(tmp_path):
     job = load_job(_job(tmp_path))
     assert job.batching.buckets is None and job.runtime.cuda_graphs is True and job.runtime.warmup_check is True
-    settings = EncoderSettings.from_job(job)
-    assert settings.runner == RunnerSettings() and settings.warmup_check is True
+    encoder = Encoder.from_job(job)
+    assert encoder.batching == BatchingConfig() and encoder.runtime == RuntimeConfig()
+    assert encoder.runtime.warmup_check is True
 
 
 def test_options_reach_the_runner_settings(tmp_path):
     job = load_job(_job(tmp_path, batching={"max_tokens": 4096, "buckets": [4096, 512, 1024]},
                         runtime={"cuda_graphs": False, "max_graphs": 3, "graph_memory_mb": 900,
                                  "warmup_check": False}))
-    settings = EncoderSettings.from_job(job)
-    assert settings.runner == RunnerSettings(cuda_graphs=False, buckets=(4096, 512, 1024), max_graphs=3,
-                                             graph_memory_mb=900)
-    assert settings.warmup_check is False and settings.max_tokens == 4096
+    encoder = Encoder.from_job(job)  # what build_runner reads: batching.buckets and the runtime section
+    assert encoder.batching.buckets == [4096, 512, 1024]
+    assert encoder.runtime == RuntimeConfig(cuda_graphs=False, max_graphs=3, graph_memory_mb=900, warmup_check=False)
+    assert encoder.runtime.warmup_check is False and encoder.packer.max_tokens == 4096
 
 
 @pytest.mark.parametrize("over, field, words", [

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from tests.conftest import QUICKSTART, split_corpus, write_job
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_run_two_workers_every_id_once_with_its_own_vector(tmp_path, corpus, ray
     ids = out["id"].to_pylist()
     assert len(ids) == len(set(ids)) == table.num_rows and set(ids) == set(table["id"].to_pylist())
 
-    encoder = Encoder(EncoderSettings(model_path=str(minilm_dir)))
+    encoder = Encoder.from_options(str(minilm_dir))
     texts = dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
     want = encoder.embed([texts[i] for i in ids])
     got = np.asarray(out["embedding"].to_pylist(), dtype=np.float32)

@@ -14,7 +14,7 @@ from embedpipe.cli import app
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantize
 from embedpipe.cluster.calibrate import sample_texts
 from embedpipe.config import InputConfig
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from embedpipe.units import list_files, plan_units
 from tests.conftest import split_corpus, write_job
 
@@ -47,7 +47,7 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
         assert schema.field("embedding").type == pa.list_(pa.int8(), 256)
 
     # The ranges are those of the seeded sample, and the stored bytes are the run's floats quantized with them.
-    encoder = Encoder(EncoderSettings(model_path=str(minilm_dir), prompt="passage: ", output_dim=256))
+    encoder = Encoder.from_options(str(minilm_dir), prompt="passage: ", dim=256)
     units = plan_units(list_files(str(folder)), unit_rows=100)
     sample = sample_texts(InputConfig(path=str(folder)), units, rows=150, seed=5)
     np.testing.assert_allclose(calibration.ranges_array, np.vstack([(v := encoder.embed(sample)).min(0), v.max(0)]),
@@ -95,7 +95,7 @@ def test_incremental_int8_reuses_the_calibration_and_the_stored_bytes(tmp_path, 
     for i, row_id in enumerate(ids):
         if i % 10:
             np.testing.assert_array_equal(second[row_id], first[row_id])
-    encoder = Encoder(EncoderSettings(model_path="sentence-transformers/all-MiniLM-L6-v2"))
+    encoder = Encoder.from_options("sentence-transformers/all-MiniLM-L6-v2")
     fresh = quantize(encoder.embed(texts[::10]), dtype="int8", calibration=calibration)
     got = np.stack([second[row_id] for row_id in ids[::10]])
     assert np.abs(got.astype(int) - fresh).max() <= 1 and (got != fresh).mean() < 1e-3

@@ -26,7 +26,7 @@ from embedpipe.io.lock import OutputBusy, OutputLock
 from embedpipe.io.ownership import ManifestMismatch, OutputNotOwned
 from embedpipe.models.resolve import ModelNotFound
 from embedpipe.preflight import ModelError
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from embedpipe.runtime.warmup import WarmupDivergence
 from embedpipe.units import InputError, StorageError
 from embedpipe.versions import RunFailed
@@ -201,5 +201,5 @@ def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_uni
     ids = vectors["id"].to_pylist()
     assert len(ids) == len(set(ids)) == table.num_rows and set(ids) == set(table["id"].to_pylist())
     texts = dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
-    want = Encoder(EncoderSettings(model_path=str(tiny_model))).embed([texts[i] for i in ids])
+    want = Encoder.from_options(str(tiny_model)).embed([texts[i] for i in ids])
     np.testing.assert_allclose(np.asarray(vectors["embedding"].to_pylist(), dtype=np.float32), want, atol=2e-6)

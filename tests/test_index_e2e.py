@@ -197,7 +197,7 @@ def test_auto_index_under_a_tight_budget(tmp_path, corpus, flat, ray_session):
 def test_matryoshka_float16_index_with_a_document_prompt(tmp_path, corpus, ray_session, minilm_dir):
     """output.dim sizes the index; float16 parts feed it; queries get the query prompt (here none),
     never the documents' model.prompt."""
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
     table, folder = corpus
     job = write_job(tmp_path / "job.yaml", input={"path": str(folder), "unit_rows": ROWS // 2},
@@ -215,7 +215,7 @@ def test_matryoshka_float16_index_with_a_document_prompt(tmp_path, corpus, ray_s
     assert index.d == 128 and index.ntotal == ROWS
     opened = embedpipe.open_index(out)
     texts = [table["text"][i].as_py() for i in (3, 250)]
-    want = Encoder(EncoderSettings(model_path=str(minilm_dir), max_seq_len=64, output_dim=128, prompt="")).embed(texts)
+    want = Encoder.from_options(str(minilm_dir), max_seq_len=64, dim=128, prompt="").embed(texts)
     np.testing.assert_allclose(opened.embed(texts), want, atol=1e-6)
     passage = embedpipe.open_index(out, query_prompt="passage: ")
     hits = passage.search(texts, k=3)

@@ -15,7 +15,7 @@ import torch
 from embedpipe.config import JobError, load_job
 from embedpipe.models import pool
 from embedpipe.preflight import preflight
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from tests.conftest import QUICKSTART, write_job
 
 TEXTS = [
@@ -73,14 +73,14 @@ def prompted_dir(minilm_dir, tmp_path_factory):
 
 
 def test_literal_prompt_matches_sentence_transformers(minilm_dir, st_model):
-    enc = Encoder(EncoderSettings(model_path=str(minilm_dir), prompt="query: "))
+    enc = Encoder.from_options(str(minilm_dir), prompt="query: ")
     assert enc.tokenizer.prompt_length == 3  # [CLS] query : ([SEP] is not counted)
     tok = enc.tokenizer(TEXTS)
     assert tok.truncated[-1] and tok.lengths[-1] == 256  # the prompt counts towards max_seq_len
     ref = st_model(minilm_dir).encode(TEXTS, prompt="query: ")
     ours = enc.embed(TEXTS)
     assert cos_rows(ours, ref).min() >= 0.99999
-    plain = Encoder(EncoderSettings(model_path=str(minilm_dir))).embed(TEXTS)
+    plain = Encoder.from_options(str(minilm_dir)).embed(TEXTS)
     assert cos_rows(ours, plain).max() < 0.9999  # the prompt did change the vectors
 
 
@@ -93,16 +93,16 @@ def test_named_default_and_excluded_prompt_match_sentence_transformers(prompted_
         ({"prompt": "custom prefix: "}, {"prompt": "custom prefix: "}),
         ({"prompt": ""}, {"prompt": ""}),  # an explicit empty prompt switches the default off
     ]:
-        enc = Encoder(EncoderSettings(model_path=str(prompted_dir), **settings))
+        enc = Encoder.from_options(str(prompted_dir), **settings)
         ours, ref = enc.embed(TEXTS), st.encode(TEXTS, **st_kwargs)
         assert cos_rows(ours, ref).min() >= 0.99999, settings
-    enc = Encoder(EncoderSettings(model_path=str(prompted_dir), prompt_name="passage"))
+    enc = Encoder.from_options(str(prompted_dir), prompt_name="passage")
     assert enc.prompt == PROMPTS["passage"] and enc.tokenizer.prompt_length > 5
 
 
 def test_excluded_prompt_is_what_pooling_skips(prompted_dir):
     """include_prompt=false: the mean over the text tokens only, the prompt still attended to."""
-    enc = Encoder(EncoderSettings(model_path=str(prompted_dir), prompt_name="passage", normalize=False))
+    enc = Encoder.from_options(str(prompted_dir), prompt_name="passage", normalize=False)
     tok = enc.tokenizer(TEXTS[:3])
     batch = enc.packer(tok)[0]
     with torch.inference_mode():
@@ -128,7 +128,7 @@ def test_pool_skip_edge_cases():
 def test_lower_case_config_matches_sentence_transformers(minilm_dir, tmp_path, st_model):
     path = variant_dir(minilm_dir, tmp_path / "lower", sbert={"max_seq_length": 128, "do_lower_case": True})
     texts = ["İstanbul and ÀÉÎ", "QUERY: WHAT IS THIS?", TEXTS[-1]]
-    enc = Encoder(EncoderSettings(model_path=str(path), prompt="Query: "))
+    enc = Encoder.from_options(str(path), prompt="Query: ")
     assert enc.max_seq_len == 128 and enc.tokenizer.lower_case
     ours, ref = enc.embed(texts), st_model(path).encode(texts, prompt="Query: ")
     assert cos_rows(ours, ref).min() >= 0.99999
@@ -136,7 +136,7 @@ def test_lower_case_config_matches_sentence_transformers(minilm_dir, tmp_path, s
 
 @pytest.mark.parametrize("dim", [64, 256, 384])
 def test_output_dim_matches_sentence_transformers_truncate_dim(minilm_dir, st_model, dim):
-    ours = Encoder(EncoderSettings(model_path=str(minilm_dir), output_dim=dim)).embed(TEXTS)
+    ours = Encoder.from_options(str(minilm_dir), dim=dim).embed(TEXTS)
     ref = st_model(minilm_dir).encode(TEXTS, truncate_dim=dim, normalize_embeddings=True)
     assert ours.shape == ref.shape == (len(TEXTS), dim)
     assert cos_rows(ours, ref).min() >= 0.99999
@@ -144,13 +144,13 @@ def test_output_dim_matches_sentence_transformers_truncate_dim(minilm_dir, st_mo
 
 
 def test_output_dim_without_normalize_is_a_plain_truncation(minilm_dir):
-    full = Encoder(EncoderSettings(model_path=str(minilm_dir), normalize=False)).embed(TEXTS)
-    cut = Encoder(EncoderSettings(model_path=str(minilm_dir), normalize=False, output_dim=32)).embed(TEXTS)
+    full = Encoder.from_options(str(minilm_dir), normalize=False).embed(TEXTS)
+    cut = Encoder.from_options(str(minilm_dir), normalize=False, dim=32).embed(TEXTS)
     np.testing.assert_array_equal(cut, full[:, :32])
 
 
 def test_batch_invariance_with_prompt_excluded(prompted_dir):
-    enc = Encoder(EncoderSettings(model_path=str(prompted_dir), prompt_name="passage", output_dim=128))
+    enc = Encoder.from_options(str(prompted_dir), prompt_name="passage", dim=128)
     others = [f"Filler sentence {i} " + "with more words " * (i % 7) for i in range(40)]
     alone = enc.embed([TEXTS[4]])[0]
     packed = enc.embed(others[:20] + [TEXTS[4]] + others[20:])[20]
@@ -169,7 +169,7 @@ def test_low_precision_accumulates_in_fp32(minilm_dir, dtype):
         seen["layer_norm"] = x.dtype
         return orig_ln(x, *args, **kwargs)
 
-    enc = Encoder(EncoderSettings(model_path=str(minilm_dir), dtype=str(dtype).removeprefix("torch.")))
+    enc = Encoder.from_options(str(minilm_dir), dtype=str(dtype).removeprefix("torch."))
     tok = enc.tokenizer(TEXTS)
     batch = enc.packer(tok)[0]
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
@@ -177,7 +177,7 @@ def test_low_precision_accumulates_in_fp32(minilm_dir, dtype):
         hidden = enc.loaded.model(batch.input_ids, batch.positions, batch.cu_seqlens, batch.max_seqlen)
     assert hidden.dtype == dtype and seen["layer_norm"] == torch.float32
     assert enc.head(hidden, batch.cu_seqlens).dtype == torch.float32
-    fp32 = Encoder(EncoderSettings(model_path=str(minilm_dir))).embed(TEXTS)
+    fp32 = Encoder.from_options(str(minilm_dir)).embed(TEXTS)
     assert cos_rows(enc.embed(TEXTS), fp32).min() >= 0.999
 
 
@@ -214,4 +214,4 @@ def test_output_dim_above_the_model_dim_is_a_job_error(tmp_path, minilm_dir):
     plan = preflight(load_job(_job(tmp_path, output={"dim": 384, "dtype": "binary"})))
     assert plan.model.dim == plan.model.vector_dim == 384
     with pytest.raises(ValueError, match="exceeds the model's dimension 384"):
-        Encoder(EncoderSettings(model_path=str(minilm_dir), output_dim=385))
+        Encoder.from_options(str(minilm_dir), dim=385)

@@ -167,9 +167,9 @@ def test_batch_invariance(minilm, backend):
 
 def test_encoder_default_cpu_path_is_batch_invariant(minilm_dir):
     """The CPU default as workers run it (matmul attention, oneDNN linears, the packer's batches)."""
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    enc = Encoder(EncoderSettings(model_path=str(minilm_dir), threads=2))
+    enc = Encoder.from_options(str(minilm_dir), threads=2)
     others = [f"Filler sentence {i} " + "with more words " * (i % 7) for i in range(300)]
     alone = enc.embed([TEXTS[7]])
     packed = enc.embed(others[:150] + [TEXTS[7]] + others[150:])[150:151]

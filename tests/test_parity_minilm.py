@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 
 
 def test_quickstart_corpus_matches_sentence_transformers(minilm_dir, quickstart_table):
     st = pytest.importorskip("sentence_transformers")
     torch.manual_seed(0)
     texts = quickstart_table["text"].to_pylist()
-    encoder = Encoder(EncoderSettings(model_path="sentence-transformers/all-MiniLM-L6-v2"))
+    encoder = Encoder.from_options("sentence-transformers/all-MiniLM-L6-v2")
     assert encoder.max_seq_len == 256
     ours = encoder.embed(texts)
     assert int(encoder.tokenizer(texts).truncated.sum()) >= 20  # the long tail is in the comparison

@@ -142,17 +142,17 @@ def test_calibration_is_kept_once_fitted(tmp_path):
 def minilm_pair(minilm_dir):
     from sentence_transformers import SentenceTransformer
 
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
     texts = pq.read_table(QUICKSTART)["text"].to_pylist()[:300]
     st = SentenceTransformer(str(minilm_dir), device="cpu")
-    return texts, st, lambda **kw: Encoder(EncoderSettings(model_path=str(minilm_dir), **kw))
+    return texts, st, lambda **kw: Encoder.from_options(str(minilm_dir), **kw)
 
 
 @pytest.mark.parametrize("dim", [None, 128])
 def test_minilm_stored_types_match_sentence_transformers(minilm_pair, dim):
     texts, st, encoder = minilm_pair
-    ours = encoder(output_dim=dim).embed(texts)  # [N, D] float32
+    ours = encoder(dim=dim).embed(texts)  # [N, D] float32
     ref = st.encode(texts, truncate_dim=dim, normalize_embeddings=True)
     calib = ours[::3]  # the run's calibration: a sample of our own vectors
     for dtype in ("float16", "int8", "uint8", "binary", "ubinary"):

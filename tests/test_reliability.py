@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.cluster.driver import run_job
 from embedpipe.config import load_job
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from tests.conftest import split_corpus, write_job
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 @pytest.fixture(scope="module")
 def encoder():
-    return Encoder(EncoderSettings(model_path=MODEL))
+    return Encoder.from_options(MODEL)
 
 
 def _output(path: Path) -> tuple[list, np.ndarray]:

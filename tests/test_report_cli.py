@@ -13,7 +13,7 @@ from embedpipe.cli import app
 from embedpipe.report.flops import flops_per_token_from_config, read_model_config
 from embedpipe.report.plot import build_figure
 from embedpipe.report.render import f_hours, f_int, f_num, f_pct, f_usd, headline
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from tests.conftest import split_corpus, write_job
 from tests.test_report_render import _value
 
@@ -41,7 +41,7 @@ def test_report_json_matches_counts_recomputed_from_the_output(run, minilm_dir):
     table, out, _, _ = run
     report = json.loads((out / "report.json").read_text())
     vectors = ds.dataset(out / "vectors", format="parquet").to_table()
-    encoder = Encoder(EncoderSettings(model_path=str(minilm_dir)))
+    encoder = Encoder.from_options(str(minilm_dir))
     lengths = encoder.tokenizer(table["text"].to_pylist()).lengths.astype(np.int64)
 
     assert report["rows"] == vectors.num_rows == 300 and report["tokens"] == int(lengths.sum())

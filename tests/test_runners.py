@@ -9,7 +9,8 @@ import torch
 from embedpipe.models import load_model
 from embedpipe.runtime.buckets import Bucketer
 from embedpipe.runtime.graphs import EagerGraphs, GraphCache
-from embedpipe.runtime.runners import DeviceRunner, EagerRunner, RunnerSettings, build_runner
+from embedpipe.config import BatchingConfig, RuntimeConfig
+from embedpipe.runtime.runners import DeviceRunner, EagerRunner, build_runner
 from embedpipe.runtime.warmup import compare, run_batches
 from embedpipe.text.packer import TokenPacker
 from embedpipe.text.tokenizer import Tokenized
@@ -103,8 +104,8 @@ def test_fast_path_bf16_matches_fp32_eager(tiny_dir, batches, device, cuda_graph
     want = run_batches(EagerRunner(ref_model, ref_head, device=device), batches, N)
     model, head = _model(tiny_dir, device=device, dtype=torch.bfloat16, backend="auto")  # varlen / flash on CUDA
     if device == "cuda":
-        runner = build_runner(model, head, device=device, max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
-                              settings=RunnerSettings(cuda_graphs=cuda_graphs))
+        runner = build_runner(model, head, device=device, max_seq_len=MAX_SEQ_LEN,
+                              batching=BatchingConfig(max_tokens=MAX_TOKENS), runtime=RuntimeConfig(cuda_graphs=cuda_graphs))
     else:  # the same runner class with the CPU graph stand-in
         runner = _device_runner(model, head, graphs=cuda_graphs, bucketed=cuda_graphs)
     assert runner.name == ("graphed" if cuda_graphs else "staged")
@@ -137,6 +138,6 @@ def test_graphs_need_buckets(tiny_dir):
 
 def test_cpu_gets_the_eager_runner(tiny_dir):
     model, head = _model(tiny_dir)
-    runner = build_runner(model, head, device="cpu", max_tokens=MAX_TOKENS, max_seq_len=MAX_SEQ_LEN,
-                          settings=RunnerSettings())
+    runner = build_runner(model, head, device="cpu", max_seq_len=MAX_SEQ_LEN,
+                          batching=BatchingConfig(max_tokens=MAX_TOKENS), runtime=RuntimeConfig())
     assert isinstance(runner, EagerRunner)

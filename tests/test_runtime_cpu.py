@@ -36,16 +36,15 @@ def test_float16_linears_are_left_alone():
 def test_runtime_cpu_keep_memory_false_leaves_the_allocator_alone(minilm_dir, monkeypatch):
     import embedpipe.runtime.encoder as encoder_mod
     from embedpipe.api.options import job_for_options
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
     calls = []
     monkeypatch.setattr(encoder_mod, "keep_freed_memory", lambda **kw: calls.append(kw) or True)
     job = job_for_options(str(minilm_dir), {"cpu_keep_memory": False, "device": "cpu"})
-    settings = EncoderSettings.from_job(job)
-    assert settings.cpu_keep_memory is False
-    Encoder(settings)
+    assert job.runtime.cpu_keep_memory is False
+    assert Encoder.from_job(job).runtime.cpu_keep_memory is False
     assert calls == []
-    Encoder(EncoderSettings(model_path=str(minilm_dir), device="cpu"))  # the default keeps it
+    Encoder.from_options(str(minilm_dir), device="cpu")  # the default keeps it
     assert len(calls) == 1
 
 

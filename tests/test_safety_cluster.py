@@ -92,9 +92,9 @@ def test_other_errors_keep_naming_the_file():
 
 @pytest.fixture(scope="module")
 def encoder():
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    return Encoder(EncoderSettings(model_path=MODEL))
+    return Encoder.from_options(MODEL)
 
 
 @pytest.fixture(scope="module")

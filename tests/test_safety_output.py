@@ -116,7 +116,7 @@ def test_resume_with_another_model_is_refused(tmp_path, finished, models, corpus
 
 @pytest.mark.slow
 def test_nightly_run_after_a_model_swap_reencodes_every_row(tmp_path, models, corpus, ray_session):
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
     root = tmp_path / "index"
     versioned = {"versioned": True, "incremental": True}
@@ -130,7 +130,7 @@ def test_nightly_run_after_a_model_swap_reencodes_every_row(tmp_path, models, co
     assert "model's files changed" in report["incremental"]["reencoded_all"]
     got = _vectors(root / "versions" / night2)
     texts = dict(zip(*(pq.read_table(corpus)[c].to_pylist() for c in ("id", "text"))))
-    want = Encoder(EncoderSettings(model_path=str(models[1]))).embed([texts[i] for i in got])
+    want = Encoder.from_options(str(models[1])).embed([texts[i] for i in got])
     np.testing.assert_allclose(np.stack(list(got.values())), want, atol=2e-6)  # all of model B
 
 

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from embedpipe.versions import CURRENT, VALIDATED, prune
 from tests.conftest import write_job
 
@@ -68,7 +68,7 @@ def test_two_nights_reencode_only_changes_and_current_moves_after_success(tmp_pa
     assert r2["incremental"]["usd_saved"] == pytest.approx(170 * r2["cost"]["total_usd"] / 30)
     got = _vectors(root / "versions" / night2)
     assert set(got) == set(new_texts)  # deleted rows are gone
-    encoder = Encoder(EncoderSettings(model_path=MODEL))
+    encoder = Encoder.from_options(MODEL)
     full = encoder.embed(list(new_texts.values()))  # a full recompute of the same corpus
     np.testing.assert_allclose(np.stack([got[i] for i in new_texts]), full, atol=2e-6)
     assert (root / "versions" / night1 / VALIDATED).exists()  # kept: keep_versions is 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedpipe.runtime import Encoder, EncoderSettings
+from embedpipe.runtime import Encoder
 from embedpipe.runtime.staging import LazyResult
 from embedpipe.runtime.warmup import TOLERANCE, WarmupDivergence, check, compare, cosines, sample_texts
 from tests.model_helpers import save_tiny_bert
@@ -94,11 +94,11 @@ def tiny_with_tokenizer(tmp_path_factory, minilm_dir):
 
 
 def test_encoder_runs_the_guard_where_the_fast_path_differs(tiny_with_tokenizer):
-    fp32 = Encoder(EncoderSettings(model_path=str(tiny_with_tokenizer)))
+    fp32 = Encoder.from_options(str(tiny_with_tokenizer))
     assert fp32.warmup is None  # float32 eager on CPU is the reference itself
-    bf16 = Encoder(EncoderSettings(model_path=str(tiny_with_tokenizer), dtype="bfloat16"))
+    bf16 = Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
     assert bf16.warmup is not None and bf16.warmup.ok and bf16.warmup.rows == 48
-    off = Encoder(EncoderSettings(model_path=str(tiny_with_tokenizer), dtype="bfloat16", warmup_check=False))
+    off = Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16", warmup_check=False)
     assert off.warmup is None
 
 
@@ -122,4 +122,4 @@ def test_encoder_fails_on_a_broken_fast_path(tiny_with_tokenizer, monkeypatch):
 
     monkeypatch.setattr(encoder_module, "build_runner", broken_runner)
     with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
-        Encoder(EncoderSettings(model_path=str(tiny_with_tokenizer), dtype="bfloat16"))
+        Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")

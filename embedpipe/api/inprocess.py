@@ -8,9 +8,9 @@ all of them come back as one array. Larger corpora: write them to files and run 
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
+from collections import OrderedDict
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -102,18 +102,21 @@ def _load_calibration(calibration, dtype: str) -> Calibration:
     return calibration
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_encoder(settings):
-    from embedpipe.runtime import Encoder
-
-    return Encoder(settings)
+_ENCODERS: OrderedDict[str, Any] = OrderedDict()  # the MAX_ENCODERS last used, oldest first
+MAX_ENCODERS = 2
 
 
 def _encoder(job):
     """One encoder per distinct settings, kept across calls (loading a model takes seconds)."""
-    from embedpipe.runtime import EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    return _cached_encoder(EncoderSettings.from_job(job))
+    key = repr((job.model, job.batching, job.runtime, job.output.dim))  # the sections hold lists: no hash
+    if key not in _ENCODERS:
+        _ENCODERS[key] = Encoder.from_job(job)
+        while len(_ENCODERS) > MAX_ENCODERS:
+            _ENCODERS.popitem(last=False)
+    _ENCODERS.move_to_end(key)
+    return _ENCODERS[key]
 
 
 # --------------------------------------------------------------------------- inputs

@@ -39,7 +39,7 @@ def option_names() -> dict[str, tuple[str, str]]:
     return names
 
 
-def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
+def job_for_options(model: str, options: dict[str, Any], *, source: str = SOURCE) -> JobSpec:
     """A JobSpec for in-process use: ``model.path=model`` plus the options, each checked by the schema.
 
     Its input and output sections are placeholders: nothing is read or written through them.
@@ -54,19 +54,19 @@ def job_for_options(model: str, options: dict[str, Any]) -> JobSpec:
 
             close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}=?" if close else f"known options: {', '.join(sorted(names))}"
-            raise JobError(key, "unknown option", hint, source=SOURCE)
+            raise JobError(key, "unknown option", hint, source=source)
         section, field = names[key]
         raw[section][field] = value
     where = {f"{section}.{field}": key for key, (section, field) in names.items()}
     sections = {}
-    with _as_options(where):
+    with _as_options(where, source=source):
         for section, values in raw.items():
-            sections[section] = parse_section(section, values, source=SOURCE)
+            sections[section] = parse_section(section, values, source=source)
     if sections["input"].on_bad_row == "skip":
         raise JobError("on_bad_row", "'skip' would leave rows without a vector (embed returns one row per input)",
-                       "pass on_bad_row='error' or 'embed_empty'", source=SOURCE)
+                       "pass on_bad_row='error' or 'embed_empty'", source=source)
     job = JobSpec(**sections)
-    with _as_options(where):
+    with _as_options(where, source=source):
         _check_against_model(job)
     return job
 
@@ -85,10 +85,10 @@ def _check_against_model(job: JobSpec) -> None:
 
 
 @contextlib.contextmanager
-def _as_options(where: dict[str, str]) -> Iterator[None]:
+def _as_options(where: dict[str, str], *, source: str) -> Iterator[None]:
     """A JobError names the keyword option, not the job-file field."""
     try:
         yield
     except JobError as exc:
         option = where.get(exc.field_path, exc.field_path)
-        raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=SOURCE) from None
+        raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=source) from None

@@ -47,9 +47,9 @@ def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -
 
 def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
     """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D]."""
-    from embedpipe.runtime import Encoder, EncoderSettings
+    from embedpipe.runtime import Encoder
 
-    return Encoder(EncoderSettings.from_job(job, threads=threads)).embed(texts)
+    return Encoder.from_job(job, threads=threads).embed(texts)
 
 
 def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: int, previous: str | Path | None,

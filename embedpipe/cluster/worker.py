@@ -48,12 +48,12 @@ class EmbedWorker:
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.formats import UnitReader
         from embedpipe.io.writer import ParquetPartWriter
-        from embedpipe.runtime import Encoder, EncoderSettings
+        from embedpipe.runtime import Encoder
 
         self.index = index
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
-        self.encoder = Encoder(EncoderSettings.from_job(job, threads=threads))
+        self.encoder = Encoder.from_job(job, threads=threads)
         self.writer = ParquetPartWriter(output_path=job.output.path, dtype=job.output.dtype, calibration=calibration,
                                         dim=self.encoder.dim)
         self.manifest = Manifest(job.output.path)

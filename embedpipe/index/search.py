@@ -64,11 +64,12 @@ class OpenedIndex:
     @property
     def encoder(self):
         if self._encoder is None:
-            from embedpipe.runtime import Encoder, EncoderSettings
+            from embedpipe.runtime import Encoder
 
-            settings = dataclasses.replace(EncoderSettings.from_job(self.job), device="auto", attention="auto",
-                                           prompt=self.query_prompt, prompt_name=None)
-            self._encoder = Encoder(settings)
+            job = self.job
+            self._encoder = Encoder(model=dataclasses.replace(job.model, prompt=self.query_prompt, prompt_name=None),
+                                    batching=job.batching, output_dim=job.output.dim,
+                                    runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"))
         return self._encoder
 
     def embed(self, texts: list[str]) -> np.ndarray:

@@ -27,9 +27,10 @@ from embedpipe.report.device import PROBE_SECONDS, PROBE_SIZES, measure_peak_flo
 from embedpipe.report.flops import flops_per_token_from_config
 from embedpipe.runtime.buckets import Bucketer
 from embedpipe.runtime.graphs import CudaGraphs, EagerGraphs, GraphCache
-from embedpipe.runtime.runners import DeviceRunner, RunnerSettings, build_runner
+from embedpipe.config import BatchingConfig, RuntimeConfig
+from embedpipe.runtime.runners import DeviceRunner, build_runner
 
-BENCH_RUNNER = RunnerSettings(max_graphs=64, graph_memory_mb=16 << 10)  # room for every bucket of a sweep
+BENCH_RUNTIME = RuntimeConfig(max_graphs=64, graph_memory_mb=16 << 10)  # room for every bucket of a sweep
 
 
 def matmul_peak(device: str, dtype: str, *, sizes: tuple[int, ...] | None = None,
@@ -64,15 +65,15 @@ def bench_runner(model: nn.Module, head: nn.Module, *, device: str, max_tokens: 
     """The staged GPU runner: on CUDA with graphs on or off, exactly what ``build_runner`` builds;
     on CPU the same runner over the eager graph stand-in; ``bucketed`` without ``graphed``: padded
     bucket shapes run eagerly (the reference a graph replay must match bit for bit)."""
-    settings = dataclasses.replace(BENCH_RUNNER, cuda_graphs=graphed)
+    runtime = dataclasses.replace(BENCH_RUNTIME, cuda_graphs=graphed)
     bucketed = graphed if bucketed is None else bucketed
     on_cuda = torch.device(device).type == "cuda"
     if on_cuda and bucketed == graphed:
-        return build_runner(model, head, device=device, max_tokens=max_tokens, max_seq_len=max_seq_len,
-                            settings=settings)
+        return build_runner(model, head, device=device, max_seq_len=max_seq_len,
+                            batching=BatchingConfig(max_tokens=max_tokens), runtime=runtime)
     graphs = None
     if graphed:
-        graphs = GraphCache(CudaGraphs(device) if on_cuda else EagerGraphs(), max_graphs=settings.max_graphs,
-                            max_bytes=settings.graph_memory_mb * 2**20, warmup_runs=settings.warmup_runs)
+        graphs = GraphCache(CudaGraphs(device) if on_cuda else EagerGraphs(), max_graphs=runtime.max_graphs,
+                            max_bytes=runtime.graph_memory_mb * 2**20)
     return DeviceRunner(model, head, device=device, bucketer=Bucketer(max_tokens=max_tokens, max_seq_len=max_seq_len),
-                        bucketed=bucketed, graphs=graphs, inflight=settings.inflight)
+                        bucketed=bucketed, graphs=graphs)

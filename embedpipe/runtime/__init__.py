@@ -5,8 +5,7 @@ On CPU the encoder runs the model eagerly; on CUDA through pinned staging, token
 CUDA graph per bucket (runners.py), with a warmup guard against an eager float32 copy (warmup.py).
 """
 
-from embedpipe.runtime.encoder import Encoder, EncoderSettings
-from embedpipe.runtime.runners import RunnerSettings
+from embedpipe.runtime.encoder import Encoder
 from embedpipe.runtime.warmup import WarmupDivergence
 
-__all__ = ["Encoder", "EncoderSettings", "RunnerSettings", "WarmupDivergence"]
+__all__ = ["Encoder", "WarmupDivergence"]

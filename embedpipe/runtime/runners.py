@@ -14,31 +14,19 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from embedpipe.config import BatchingConfig, RuntimeConfig
 from embedpipe.runtime.buckets import Bucketer, Shape, exact_shape, fill_inputs
 from embedpipe.runtime.graphs import CudaGraphs, GraphCache
 from embedpipe.runtime.staging import Event, HostEvent, LazyResult, StagingRing
 from embedpipe.text.packer import Batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """The job's GPU runtime options (`batching.buckets`, `runtime.*`)."""
-
-    cuda_graphs: bool = True  # GPU: bucketed shapes, one graph per shape; False: eager, exact shapes
-    buckets: tuple[int, ...] | None = None  # token buckets; None: powers of two up to max_tokens
-    max_graphs: int = 32  # graphs kept at once (least recently used released beyond)
-    graph_memory_mb: int = 4096  # device memory the graphs may hold together
-    warmup_runs: int = 2  # eager runs of a shape before it is captured
-    inflight: int = 4  # staging slots: batches the host may run ahead of the device
 
 
 class Runner(Protocol):
@@ -125,18 +113,18 @@ class DeviceRunner:
         return slot.finish(rows, computed_tokens=shape.tokens)
 
 
-def build_runner(model: nn.Module, head: nn.Module, *, device: str, max_tokens: int, max_seq_len: int,
-                 settings: RunnerSettings) -> EagerRunner | DeviceRunner:
-    """CPU: eager. CUDA: staged, and bucketed + graphed unless `settings.cuda_graphs` is off."""
+def build_runner(model: nn.Module, head: nn.Module, *, device: str, max_seq_len: int, batching: BatchingConfig,
+                 runtime: RuntimeConfig) -> EagerRunner | DeviceRunner:
+    """CPU: eager. CUDA: staged, and bucketed (`batching.buckets`) + graphed unless `runtime.cuda_graphs` is off."""
     if torch.device(device).type != "cuda":
         runner: EagerRunner | DeviceRunner = EagerRunner(model, head, device=device)
     else:
-        bucketer = Bucketer(max_tokens=max_tokens, max_seq_len=max_seq_len, token_buckets=settings.buckets)
+        bucketer = Bucketer(max_tokens=batching.max_tokens, max_seq_len=max_seq_len, token_buckets=batching.buckets)
         graphs = None
-        if settings.cuda_graphs:
-            graphs = GraphCache(CudaGraphs(device), max_graphs=settings.max_graphs,
-                                max_bytes=settings.graph_memory_mb * 2**20, warmup_runs=settings.warmup_runs)
-        runner = DeviceRunner(model, head, device=device, bucketer=bucketer, bucketed=settings.cuda_graphs,
-                              graphs=graphs, inflight=settings.inflight)
+        if runtime.cuda_graphs:
+            graphs = GraphCache(CudaGraphs(device), max_graphs=runtime.max_graphs,
+                                max_bytes=runtime.graph_memory_mb * 2**20)
+        runner = DeviceRunner(model, head, device=device, bucketer=bucketer, bucketed=runtime.cuda_graphs,
+                              graphs=graphs)
     log.info("runner: %s on %s", runner.name, device)
     return runner

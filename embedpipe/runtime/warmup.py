@@ -116,13 +116,13 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
     """The check for a built Encoder; None when its runner is the float32 eager reference itself."""
     from embedpipe.models import load_model
 
-    settings = encoder.settings
+    settings = encoder.model_config
     if isinstance(encoder.runner, EagerRunner) and settings.dtype == "float32":
         return None
     texts = sample_texts()
     batches = encoder.packer(encoder.tokenizer(texts))
     ref = load_model(encoder.model_dir, dtype=torch.float32, device=encoder.device, attention_backend="sdpa",
-                     allow_pickle=getattr(settings, "allow_pickle", False))
+                     allow_pickle=settings.allow_pickle)
     head = ref.build_head(pooling=settings.pooling, normalize=settings.normalize,
                           dim=encoder.head.dim, skip_tokens=encoder.head.skip_tokens)
     try:
