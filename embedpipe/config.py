@@ -16,6 +16,7 @@ Errors name the field, the bad value and the fix:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,7 +25,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import yaml
 
@@ -607,3 +608,59 @@ def _yaml_scalar(f: dataclasses.Field) -> str:
 
 if __name__ == "__main__":
     print(render_reference(), end="")
+
+
+# --------------------------------------------------------------------------- keyword options
+# embed() and Encoder.from_options take job fields as keyword options. section -> the fields that are
+# options (None: all of them but `path`), in naming priority order: a name two sections share keeps its
+# plain form for the first section and takes `<section>_` for the next (`dtype` is model.dtype,
+# `output_dtype` is output.dtype).
+OPTION_SECTIONS: dict[str, tuple[str, ...] | None] = {
+    "model": None,
+    "output": ("dim", "dtype", "calibration_rows", "calibration_seed"),
+    "input": ("on_bad_row",),
+    "batching": None,
+    "runtime": None,
+}
+IN_PROCESS = "<in process>"  # input.path and output.path of an options job: never read or written
+
+
+def option_names() -> dict[str, tuple[str, str]]:
+    """Keyword option -> (section, field), for the fields the schema has today."""
+    names: dict[str, tuple[str, str]] = {}
+    for section, allowed in OPTION_SECTIONS.items():
+        for f in dataclasses.fields(SECTIONS[section]):
+            if f.name == "path" or (allowed is not None and f.name not in allowed):
+                continue
+            names[f.name if f.name not in names else f"{section}_{f.name}"] = (section, f.name)
+    return names
+
+
+def job_from_options(model: str, options: dict[str, Any], *, source: str) -> JobSpec:
+    """A JobSpec of ``model.path=model`` and keyword options, each checked by the schema (errors name the option)."""
+    names = option_names()
+    raw: dict[str, dict[str, Any]] = {section: {} for section in OPTION_SECTIONS}
+    raw["model"]["path"] = model
+    raw["output"]["path"] = raw["input"]["path"] = IN_PROCESS
+    for key, value in options.items():
+        if key not in names:
+            import difflib
+
+            close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}=?" if close else f"known options: {', '.join(sorted(names))}"
+            raise JobError(key, "unknown option", hint, source=source)
+        section, field_name = names[key]
+        raw[section][field_name] = value
+    with option_errors(source=source):
+        return JobSpec(**{section: parse_section(section, values, source=source) for section, values in raw.items()})
+
+
+@contextlib.contextmanager
+def option_errors(*, source: str) -> Iterator[None]:
+    """A JobError names the keyword option, not the job-file field."""
+    where = {f"{section}.{field_name}": key for key, (section, field_name) in option_names().items()}
+    try:
+        yield
+    except JobError as exc:
+        option = where.get(exc.field_path, exc.field_path)
+        raise JobError(option, exc.problem, exc.fix.replace(exc.field_path, option), source=source) from None

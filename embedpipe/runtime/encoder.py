@@ -75,7 +75,7 @@ class Encoder:
         """For code with a model path and a few options: ``embed()``'s keyword options of the encoder's
         sections (``max_seq_len=128``, ``dtype="bfloat16"``, ``max_tokens``, ``device``, ...) and ``dim``
         (output.dim), checked by the job schema; every other setting is config.py's default."""
-        from embedpipe.api.options import job_for_options, option_names
+        from embedpipe.config import job_from_options, option_names
 
         source = "Encoder.from_options"
         names = option_names()
@@ -83,7 +83,7 @@ class Encoder:
             if key in names and names[key][0] not in ENCODER_SECTIONS and names[key] != ("output", "dim"):
                 raise JobError(key, "is not an encoder option", f"pass {key}= to embed(), or leave it out: the "
                                "encoder takes the model, batching and runtime fields and dim", source=source)
-        job = job_for_options(model_path, options, source=source)
+        job = job_from_options(model_path, options, source=source)
         return cls.from_job(job, threads=threads)
 
     def embed(self, texts: list[str], counters: Counters | None = None) -> np.ndarray:
