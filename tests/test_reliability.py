@@ -88,18 +88,24 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
-def test_sigkill_a_worker_mid_run(tmp_path, corpus, ray_session, encoder):
-    table, folder = corpus
-    job = load_job(_job(tmp_path, folder))
+def _run_and_signal_a_worker(job, out: Path, signum: int) -> tuple[threading.Thread, dict, int]:
+    """Start ``job`` on a thread, wait until it is mid-run (2 of 20 units done), send ``signum`` to one
+    worker; returns the thread, the dict its result lands in, and the worker's pid."""
     outcome = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)))
+    runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)), daemon=True)
     runner.start()
     deadline = time.time() + 300
-    while _records(tmp_path / "out") < 2 and time.time() < deadline and runner.is_alive():
+    while _records(out) < 2 and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
     victims = _worker_pids()
-    assert victims and _records(tmp_path / "out") < 20, "the kill must land mid-run"
-    os.kill(victims[0], signal.SIGKILL)
+    assert victims and _records(out) < 20, "the signal must land mid-run"
+    os.kill(victims[0], signum)
+    return runner, outcome, victims[0]
+
+
+def test_sigkill_a_worker_mid_run(tmp_path, corpus, ray_session, encoder):
+    table, folder = corpus
+    runner, outcome, _ = _run_and_signal_a_worker(load_job(_job(tmp_path, folder)), tmp_path / "out", signal.SIGKILL)
     runner.join(timeout=600)
     report = outcome["result"].report
     assert report["units"]["retried"] >= 1 and report["units"]["failed"] == 0

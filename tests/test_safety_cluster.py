@@ -113,29 +113,20 @@ def _job(tmp_path: Path, folder: Path, **cluster) -> Path:
 
 @pytest.mark.slow
 def test_sigstopped_worker_is_replaced(tmp_path, corpus, ray_session, encoder, caplog):
-    from embedpipe.cluster.driver import run_job
     from embedpipe.config import load_job
-    from tests.test_reliability import _assert_exact, _records, _worker_pids
+    from tests.test_reliability import _assert_exact, _run_and_signal_a_worker
 
     table, folder = corpus
-    job = load_job(_job(tmp_path, folder, unit_timeout_s=10))
-    outcome = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)), daemon=True)
     caplog.set_level(logging.WARNING, logger="embedpipe.cluster.scheduler")
-    runner.start()
-    deadline = time.time() + 300
-    while _records(tmp_path / "out") < 2 and time.time() < deadline and runner.is_alive():
-        time.sleep(0.05)
-    victims = _worker_pids()
-    assert victims and _records(tmp_path / "out") < 20, "the stop must land mid-run"
-    os.kill(victims[0], signal.SIGSTOP)
+    runner, outcome, victim = _run_and_signal_a_worker(load_job(_job(tmp_path, folder, unit_timeout_s=10)),
+                                                       tmp_path / "out", signal.SIGSTOP)
     try:
         runner.join(timeout=180)
         assert not runner.is_alive(), "the run waits on the stopped worker"
     finally:
         for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
             try:
-                os.kill(victims[0], sig)
+                os.kill(victim, sig)
             except ProcessLookupError:
                 pass
         runner.join(timeout=120)
