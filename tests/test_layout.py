@@ -73,8 +73,9 @@ def _expected(root: OutputLayout, *, units: list[str], run_id: str) -> set[Path]
     """Every file a finished versioned run with a Flat index writes, as the layout names them."""
     version = root.version(run_id)
     index = version.index
+    run = version.run(run_id)
     return {root.marker, root.current, version.marker, version.validated, version.job, version.report_json,
-            version.report_md, version.report_png, version.run(run_id) / version.report_json.name,
+            version.report_md, version.report_png, run.report_json, run.report_md, run.report_png,
             index.faiss, index.ids, index.holdout, index.meta,
             *(version.unit_record(u) for u in units), *(version.part(u) for u in units)}
 

@@ -194,9 +194,9 @@ class OutputLayout:
     def runs(self) -> Path:
         return self.root / RUNS
 
-    def run(self, run_id: str) -> Path:
-        """One run's folder of records (its report.json) under runs/."""
-        return self.runs / run_id
+    def run(self, run_id: str) -> "OutputLayout":
+        """One run's folder under runs/: its own report.json, report.md, report.png."""
+        return OutputLayout(self.runs / run_id)
 
     @property
     def skipped(self) -> Path:
