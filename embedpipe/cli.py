@@ -68,6 +68,7 @@ def run(job_file: JobFile, set_: SetOpt = None,
     """
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
+    from embedpipe.io.layout import OutputLayout
     from embedpipe.report.render import render_table
 
     with _exit_codes(cluster=True):
@@ -75,8 +76,8 @@ def run(job_file: JobFile, set_: SetOpt = None,
     typer.echo(render_table(result.report))
     if "version" in result.report:
         typer.echo(f"CURRENT -> {result.report['version']['run_id']}")
-    out = result.output_path
-    typer.echo(f"vectors: {result.vectors_path}\nreport: {out / 'report.json'}, {out / 'report.md'}, {out / 'report.png'}")
+    out = OutputLayout(result.output_path)
+    typer.echo(f"vectors: {result.vectors_path}\nreport: {out.report_json}, {out.report_md}, {out.report_png}")
 
 
 @app.command()

@@ -206,22 +206,25 @@ def check_model_type(config_path: Path) -> dict:
 
 def check_current(root: Path) -> None:
     """A versioned output's CURRENT (written by a run, or by hand for a rollback) must name a validated version."""
-    from embedpipe.versions import CURRENT, VALIDATED, VERSIONS, current_version
+    from embedpipe.io.layout import OutputLayout
+    from embedpipe.versions import current_version
 
     run_id = current_version(root)
     if run_id is None:
         return  # first run, or no CURRENT: a new version is made
-    folder = root / VERSIONS / run_id
-    if Path(run_id).name == run_id and (folder / VALIDATED).is_file():
+    layout = OutputLayout(root)
+    version = layout.version(run_id)
+    folder = version.root
+    if Path(run_id).name == run_id and version.validated.is_file():
         return
     problem = "does not exist" if not folder.is_dir() else "is not VALIDATED (an unfinished or failed run)"
-    folders = sorted((p for p in (root / VERSIONS).iterdir() if p.is_dir()), reverse=True) \
-        if (root / VERSIONS).is_dir() else []
-    good = [p.name for p in folders if (p / VALIDATED).is_file()]
+    folders = sorted((p for p in layout.versions.iterdir() if p.is_dir()), reverse=True) \
+        if layout.versions.is_dir() else []
+    good = [p.name for p in folders if OutputLayout(p).validated.is_file()]
     listed = ", ".join(good[:MAX_LISTED]) + (f" and {len(good) - MAX_LISTED} older" if len(good) > MAX_LISTED else "")
     fix = (f"write one of them into CURRENT (echo {good[0]} > CURRENT.tmp && mv CURRENT.tmp CURRENT), or remove "
            f"CURRENT to build a new version from scratch") if good else "remove CURRENT to build a new version from scratch"
-    raise JobError("output.path", f"{root / CURRENT} names run id {run_id!r}, but {folder} {problem}; validated "
+    raise JobError("output.path", f"{layout.current} names run id {run_id!r}, but {folder} {problem}; validated "
                    f"versions: {listed or 'none'}", fix)
 
 

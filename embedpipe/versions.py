@@ -23,10 +23,11 @@ import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
 from embedpipe.errors import RunError
-from embedpipe.io.manifest import MANIFEST, Manifest, atomic_write, vector_salt
+from embedpipe.io.layout import CURRENT, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes
+from embedpipe.io.manifest import Manifest, vector_salt
 from embedpipe.io.ownership import is_output, remove_owned
 
-CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
+__all__ = ["CURRENT", "VALIDATED", "VERSIONS"]  # the layout's names, imported from here by earlier callers
 
 
 class RunFailed(RunError, RuntimeError):
@@ -34,25 +35,24 @@ class RunFailed(RunError, RuntimeError):
 
 
 def current_version(root: str | Path) -> str | None:
-    path = Path(root) / CURRENT
+    path = OutputLayout(root).current
     return path.read_text().strip() or None if path.is_file() else None
 
 
 def current_path(root: str | Path) -> Path | None:
     """The folder readers should use: the current version, or ``root`` itself when unversioned."""
-    root = Path(root)
     version = current_version(root)
-    return root / VERSIONS / version if version else None
+    return OutputLayout(root).version(version).root if version else None
 
 
 def choose_version(root: Path, fingerprint: dict) -> str:
     """Resume the newest unfinished version of this same job, else start a new run id."""
-    versions = root / VERSIONS
+    versions = OutputLayout(root).versions
     current = current_version(root)
     unfinished = sorted((p for p in versions.iterdir() if p.is_dir() and p.name != current
-                         and not (p / VALIDATED).exists()), reverse=True) if versions.is_dir() else []
+                         and not OutputLayout(p).validated.exists()), reverse=True) if versions.is_dir() else []
     for folder in unfinished[:1]:
-        job_file = folder / MANIFEST / "job.json"
+        job_file = OutputLayout(folder).job
         if job_file.is_file() and json.loads(job_file.read_text()).get("sha256") == fingerprint["sha256"]:
             return folder.name
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -70,7 +70,7 @@ def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
         problems.append(f"{report['units']['failed']} units failed")
     if report["rows"] + report["skipped_rows"] != expected_rows:
         problems.append(f"{report['rows']} rows written + {report['skipped_rows']} skipped != {expected_rows} input rows")
-    written = sum(pq.ParquetFile(p).metadata.num_rows for p in (version_dir / "vectors").glob("part-*.parquet"))
+    written = sum(pq.ParquetFile(p).metadata.num_rows for p in OutputLayout(version_dir).parts())
     if written != report["rows"]:
         problems.append(f"the vector parts hold {written} rows, the report says {report['rows']}")
     index = report.get("index") or {}
@@ -83,8 +83,9 @@ def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
 
 def promote(root: Path, version: str) -> None:
     """Mark the version validated, then point CURRENT at it (one atomic rename)."""
-    atomic_write(root / VERSIONS / version / VALIDATED, b"")
-    atomic_write(root / CURRENT, f"{version}\n".encode())
+    layout = OutputLayout(root)
+    atomic_write_bytes(layout.version(version).validated, b"")
+    atomic_write_bytes(layout.current, f"{version}\n".encode())
 
 
 def prune(root: Path, *, keep: int | None) -> list[str]:
@@ -93,9 +94,9 @@ def prune(root: Path, *, keep: int | None) -> list[str]:
         return []
     current = current_version(root)
     folders = _version_folders(root)
-    validated = [p for p in folders if (p / VALIDATED).exists()]
+    validated = [p for p in folders if OutputLayout(p).validated.exists()]
     doomed = [p for p in validated[keep:] if p.name != current]
-    doomed += [p for p in folders if not (p / VALIDATED).exists() and current and p.name < current]
+    doomed += [p for p in folders if not OutputLayout(p).validated.exists() and current and p.name < current]
     for folder in doomed:
         shutil.rmtree(folder)
     return sorted(p.name for p in doomed)
@@ -111,7 +112,7 @@ def remove_all(root: Path) -> list[str]:
 def _version_folders(root: Path) -> list[Path]:
     """The folders under versions/ that are embedpipe outputs, newest first (a folder someone else put there
     is never pruned or removed)."""
-    folders = root / VERSIONS
+    folders = OutputLayout(root).versions
     if not folders.is_dir() or folders.is_symlink():
         return []
     return sorted((p for p in folders.iterdir() if p.is_dir() and not p.is_symlink() and is_output(p)), reverse=True)
@@ -129,7 +130,7 @@ def previous_parts(root: Path) -> tuple[str, ...]:
 def reencode_reason(root: Path, fingerprint: dict) -> str | None:
     """Why no row of the current version can be reused (the model's files or a vector setting changed), or None."""
     folder = current_path(root)
-    job_file = folder / MANIFEST / "job.json" if folder is not None else None
+    job_file = OutputLayout(folder).job if folder is not None else None
     if job_file is None or not job_file.is_file():
         return None
     old = json.loads(job_file.read_text())
@@ -144,11 +145,12 @@ def reencode_reason(root: Path, fingerprint: dict) -> str | None:
 def previous_vectors(root: Path, job: JobSpec) -> str | None:
     """The current version's vectors for an incremental run (None on the first run)."""
     folder = current_path(root)
-    return str(folder / "vectors") if job.output.incremental and folder is not None else None
+    return str(OutputLayout(folder).vectors) if job.output.incremental and folder is not None else None
 
 
 def previous_rows(root: Path) -> int:
     folder = current_path(root)
-    if folder is None or not (folder / "report.json").is_file():
+    report = OutputLayout(folder).report_json if folder is not None else None
+    if report is None or not report.is_file():
         return 0
-    return int(json.loads((folder / "report.json").read_text())["rows"])
+    return int(json.loads(report.read_text())["rows"])

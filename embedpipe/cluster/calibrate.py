@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.config import InputConfig, JobSpec
-from embedpipe.io.quantize import RECORD, Calibration, fit_calibration, quantization_record, read_record, stored_type
+from embedpipe.io.layout import OutputLayout, atomic_write_text
+from embedpipe.io.quantize import Calibration, fit_calibration, quantization_record, read_record, stored_type
 from embedpipe.units import Unit
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,12 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: 
             record = read_record(source)
             if record and record.get("dtype") == dtype and "calibration" in record:
                 calibration = Calibration(**record["calibration"])
-                log.info("int8 calibration taken from %s", Path(source) / RECORD)
+                log.info("int8 calibration taken from %s", OutputLayout(source).quantization)
                 break
         else:
             calibration = fit(job, units, cpus=cpus, gpus=gpus)
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
-    (output / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    atomic_write_text(OutputLayout(output).quantization, json.dumps(record, indent=2) + "\n")
     return calibration
 
 

@@ -30,10 +30,10 @@ from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
+from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
-from embedpipe.io.writer import write_table_atomic
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
@@ -52,7 +52,7 @@ class RunResult:
 
     @property
     def vectors_path(self) -> Path:
-        return self.output_path / "vectors"
+        return OutputLayout(self.output_path).vectors
 
 
 def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> RunResult:
@@ -105,7 +105,7 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
         output = Path(job.output.path)
         if job.output.versioned:
             fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
-            output = output / versions.VERSIONS / versions.choose_version(output, fingerprint)
+            output = OutputLayout(output).version(versions.choose_version(output, fingerprint)).root
         unit_ids = {u.id for u in plan.units}
         return sum(1 for unit_id in Manifest(output).done() if unit_id in unit_ids)
     except (OSError, ValueError) as exc:
@@ -128,7 +128,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
         reencode_reason = versions.reencode_reason(root, fingerprint)
         if reencode_reason:
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
-    version_job = job.replace(output={"path": str(root / versions.VERSIONS / version)})
+    version_job = job.replace(output={"path": str(OutputLayout(root).version(version).root)})
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
                        previous_rows=versions.previous_rows(root) if incremental else 0)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
@@ -243,8 +243,8 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
 def _merge_skipped(manifest: Manifest, output: Path) -> None:
     """One ``skipped.parquet`` (id, reason) from the per-unit files, in unit order."""
     files = manifest.skipped_files()
-    target = output / "skipped.parquet"
+    target = OutputLayout(output).skipped
     if not files:
         target.unlink(missing_ok=True)
         return
-    write_table_atomic(pa.concat_tables([pq.read_table(f) for f in files]), target)
+    atomic_write_table(pa.concat_tables([pq.read_table(f) for f in files]), target)

@@ -73,7 +73,7 @@ class EmbedWorker:
                 "device": self.encoder.device, "dim": self.encoder.dim}
 
     def process(self, unit: Unit) -> UnitResult:
-        from embedpipe.io.writer import write_table_atomic
+        from embedpipe.io.layout import atomic_write_table
         from embedpipe.report.counters import Counters
 
         started = time.time()
@@ -89,7 +89,7 @@ class EmbedWorker:
         with counters.time("write"):
             part = self.writer(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
             if rows.skipped.num_rows:
-                write_table_atomic(rows.skipped, self.manifest.skipped_path(unit.id))
+                atomic_write_table(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done
         self.manifest.record(unit.id, parts=[part], file=unit.file, row_groups=list(unit.row_groups),
                              counters=counters.to_dict())

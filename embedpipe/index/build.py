@@ -20,22 +20,21 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
 from embedpipe.index.factory import IndexSpec
 from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
 from embedpipe.index.merge import merge_in_memory, merge_on_disk
 from embedpipe.index.parts import Part, Sample, UniformSampler, existing_parts, read_ids, read_vectors
-from embedpipe.index.plan import IndexPlan, index_dir
+from embedpipe.index.plan import IndexPlan
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardBuilder, ShardContext, ShardResult
 from embedpipe.index.train import train_index
+from embedpipe.io.layout import OutputLayout, atomic_move, atomic_path, atomic_write_table, atomic_write_text
 from embedpipe.report.counters import Counters
 
 log = logging.getLogger(__name__)
@@ -84,8 +83,8 @@ class IndexBuild:
     def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part]):
         self.job, self.plan, self.planned = job, plan, parts
         self.run_shards: RunShards | None = None
-        self.dir = index_dir(job)
-        self.work = self.dir / "_build"
+        self.files = OutputLayout(job.output.path).index
+        self.dir, self.work = self.files.dir, self.files.work
         self.timer = Counters(stages={})  # seconds per index stage: sample, train, add, merge, tune, write
 
     @property
@@ -110,7 +109,7 @@ class IndexBuild:
         self.plan = dataclasses.replace(self.plan, rows=sum(p.rows for p in self.parts))
         self.k = min(K, self.plan.rows - 1)
         self.run_shards = run_shards
-        (self.dir / "index.json").unlink(missing_ok=True)  # not finished until written again
+        self.files.meta.unlink(missing_ok=True)  # not finished until written again
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
         with self.timer.time("sample"):
@@ -142,8 +141,8 @@ class IndexBuild:
 
     def _finished(self) -> dict | None:
         """The report of an index built from exactly these parts by this same job, if there is one."""
-        meta_path = self.dir / "index.json"
-        if not (meta_path.is_file() and (self.dir / "index.faiss").is_file()):
+        meta_path = self.files.meta
+        if not (meta_path.is_file() and self.files.faiss.is_file()):
             return None
         meta = json.loads(meta_path.read_text())
         same = meta.get("parts") == self._parts_fingerprint() and meta.get("job") == self.job.to_dict()
@@ -164,7 +163,7 @@ class IndexBuild:
             check(ids)
             sampler(ids, vectors)
         plan = plan_ids([(p.unit_id, p.rows) for p in self.parts], native=check.unique())
-        writer = IdMapWriter(self.work / "ids.parquet", plan)
+        writer = IdMapWriter(self.files.work_ids, plan)
         for part in self.parts:
             writer(part.unit_id, read_ids(part.path))
         writer.close()
@@ -206,7 +205,7 @@ class IndexBuild:
     def _add_on_workers(self, index, sample: Sample, ids: IdPlan, on_disk: bool) -> Neighbours:
         import faiss
 
-        shard_dir = self.work / "shards"
+        shard_dir = self.files.shards
         context = ShardContext(trained=faiss.serialize_index(index), ids=ids,
                                queries=sample.queries, width=self.k + 1 + TIE_SLACK, metric=self.plan.metric,
                                shard_dir=str(shard_dir))
@@ -224,7 +223,7 @@ class IndexBuild:
         in_unit_order = [shards[p.unit_id] for p in self.parts]
         with self.timer.time("merge"):
             if on_disk:
-                merge_on_disk(index, in_unit_order, self.dir / "index.ivfdata")
+                merge_on_disk(index, in_unit_order, self.files.ivfdata)
             else:
                 merge_in_memory(index, in_unit_order)
         shutil.rmtree(shard_dir, ignore_errors=True)
@@ -236,16 +235,15 @@ class IndexBuild:
                exact: Neighbours) -> dict:
         import faiss
 
-        final = self.dir / "index.faiss"
-        tmp = self.work / "index.faiss"
-        faiss.write_index(best.index, str(tmp))
-        os.replace(self.work / "ids.parquet", self.dir / "ids.parquet")
-        pq.write_table(pa.table({"index_id": query_ids, "exact": pa.array(list(exact.ids)),
-                                 "exact_score": pa.array(list(exact.scores))}), self.dir / "holdout.parquet")
-        os.replace(tmp, final)
+        files = self.files
+        with atomic_path(files.faiss) as tmp:  # renamed into place after ids.parquet and holdout.parquet
+            faiss.write_index(best.index, str(tmp))
+            atomic_move(files.work_ids, files.ids)
+            atomic_write_table(pa.table({"index_id": query_ids, "exact": pa.array(list(exact.ids)),
+                                         "exact_score": pa.array(list(exact.scores))}), files.holdout)
         if not best.on_disk:
-            (self.dir / "index.ivfdata").unlink(missing_ok=True)
-        size = final.stat().st_size + (os.path.getsize(self.dir / "index.ivfdata") if best.on_disk else 0)
+            files.ivfdata.unlink(missing_ok=True)
+        size = files.faiss.stat().st_size + (os.path.getsize(files.ivfdata) if best.on_disk else 0)
         m = best.tuning.chosen
         report = {
             "factory": best.spec.factory,
@@ -281,9 +279,7 @@ class IndexBuild:
                     "recall_at_10", "recall_at_1", "target_recall", "target_reached")},
                 "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.to_dict(),
                 "parts": self._parts_fingerprint(), "report": report}
-        tmp = self.work / "index.json"
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp, self.dir / "index.json")
+        atomic_write_text(self.files.meta, json.dumps(meta, indent=2) + "\n")
 
     def _warning(self, best: Built) -> str | None:
         if best.tuning.reached:
@@ -312,5 +308,5 @@ def plan_index_build(job: JobSpec, units: list, plan: IndexPlan | None) -> Index
     when the job writes no index."""
     if plan is None:
         return None
-    vectors = Path(job.output.path) / "vectors"  # where ParquetPartWriter puts each unit's part
-    return IndexBuild(job, plan, parts=[Part(u.id, str(vectors / f"part-{u.id}.parquet"), u.num_rows) for u in units])
+    layout = OutputLayout(job.output.path)  # where ParquetPartWriter puts each unit's part
+    return IndexBuild(job, plan, parts=[Part(u.id, str(layout.part(u.id)), u.num_rows) for u in units])

@@ -8,7 +8,6 @@ then row order, so the same input always gets the same index ids. ``ids.parquet`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from embedpipe.io.layout import atomic_move, temp_path
 
 INT64_MAX = np.iinfo(np.int64).max
 
@@ -73,7 +74,7 @@ class IdMapWriter:
 
     def __init__(self, path: Path, plan: IdPlan):
         self.path, self.plan = Path(path), plan
-        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.tmp = temp_path(self.path)
         self.writer: pq.ParquetWriter | None = None
 
     def __call__(self, unit_id: str, ids: pa.Array) -> None:
@@ -85,7 +86,7 @@ class IdMapWriter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            os.replace(self.tmp, self.path)
+            atomic_move(self.tmp, self.path)
 
 
 class IdLookup:

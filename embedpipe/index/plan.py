@@ -22,6 +22,7 @@ from pathlib import Path
 
 from embedpipe.config import JobError, JobSpec
 from embedpipe.index.factory import FactoryError, IndexSpec, check_spec, parse_factory
+from embedpipe.io.layout import OutputLayout
 
 EXACT_MAX_ROWS = 50_000  # auto: exact search below this many rows (a flat scan stays in milliseconds)
 HNSW_M = 32
@@ -156,7 +157,7 @@ def _round_up(gb: float) -> str:
 
 
 def index_dir(job: JobSpec) -> Path:
-    return Path(job.output.path) / "index"
+    return OutputLayout(job.output.path).index_dir
 
 
 def describe_plan(plan: IndexPlan) -> str:

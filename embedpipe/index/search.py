@@ -14,6 +14,7 @@ import numpy as np
 
 from embedpipe.errors import BadJob
 from embedpipe.index.ids import IdLookup
+from embedpipe.io.layout import IndexLayout, OutputLayout
 
 
 class IndexNotFound(BadJob, FileNotFoundError):
@@ -45,16 +46,17 @@ class OpenedIndex:
 
         root = Path(output_path)
         root = current_path(root) or root  # versioned outputs: the version CURRENT points at
-        self.dir = root if (root / "index.json").is_file() else root / "index"
-        if not (self.dir / "index.json").is_file():
+        files = IndexLayout(root) if IndexLayout(root).meta.is_file() else OutputLayout(root).index
+        self.dir = files.dir
+        if not files.meta.is_file():
             raise IndexNotFound(f"no index at {self.dir}: run a job with output.format: faiss (or both) "
                                 f"and pass its output.path")
-        self.meta = json.loads((self.dir / "index.json").read_text())
-        self.index = faiss.read_index(str(self.dir / "index.faiss"), faiss.IO_FLAG_ONDISK_SAME_DIR)
+        self.meta = json.loads(files.meta.read_text())
+        self.index = faiss.read_index(str(files.faiss), faiss.IO_FLAG_ONDISK_SAME_DIR)
         space = faiss.ParameterSpace()
         for name, value in self.meta["search_params"].items():
             space.set_index_parameter(self.index, name, value)
-        self.ids = IdLookup(self.dir / "ids.parquet", native=self.meta["ids"] == "native")
+        self.ids = IdLookup(files.ids, native=self.meta["ids"] == "native")
         self.job = _job_from_dict(self.meta["job"])
         # what goes before each query: given, else the model's "query" prompt recorded at build time (the
         # job's own model.prompt is for the documents and is not used for queries)

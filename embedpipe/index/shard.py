@@ -8,7 +8,6 @@ the vectors already are.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from embedpipe.index.ids import IdPlan
+from embedpipe.io.layout import atomic_path, shard_path
 from embedpipe.index.parts import Part, read_vectors
 from embedpipe.index.recall import ExactNeighbours, Neighbours
 
@@ -41,10 +41,6 @@ class ShardResult:
     seconds: float
 
 
-def shard_path(shard_dir: str | Path, unit_id: str) -> Path:
-    return Path(shard_dir) / f"shard-{unit_id}.ivfl"
-
-
 class ShardBuilder:
     """Built once per build on a worker (deserialises the trained index); called per unit."""
 
@@ -65,11 +61,10 @@ class ShardBuilder:
         index_ids = self.context.ids.index_ids(part.unit_id, ids)
         self.index.add_with_ids(vectors, index_ids)
         final = shard_path(self.context.shard_dir, part.unit_id)
-        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-        writer = faiss.FileIOWriter(str(tmp))
-        faiss.write_InvertedLists(self.ivf.invlists, writer)
-        del writer  # flushes and closes the file
-        os.replace(tmp, final)
+        with atomic_path(final) as tmp:
+            writer = faiss.FileIOWriter(str(tmp))
+            faiss.write_InvertedLists(self.ivf.invlists, writer)
+            del writer  # flushes and closes the file
         self.index.reset()  # empty lists again; quantizer and codebooks stay trained
         return ShardResult(part.unit_id, str(final), len(vectors), self.exact(vectors, index_ids),
                            time.perf_counter() - start)

@@ -27,8 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from embedpipe.errors import OutputRefused
+from embedpipe.io.layout import LOCK, OutputLayout
 
-LOCK_NAME = ".embedpipe.lock"
+LOCK_NAME = LOCK  # the layout's name of the lock file
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 600.0  # a lock not refreshed for this long belongs to a dead run
 CLAIM_SECONDS = 60.0  # a takeover claim older than this was left by a run that died while taking over
@@ -60,7 +61,7 @@ class _Seen:
 
 class OutputLock:
     def __init__(self, output: str | Path):
-        self.path = Path(output) / LOCK_NAME
+        self.path = OutputLayout(output).lock
         self._token = uuid.uuid4().hex  # names this lock's incarnation: "is it still mine?"
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None

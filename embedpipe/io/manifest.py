@@ -20,12 +20,15 @@ import hashlib
 import json
 import logging
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from embedpipe.io.ownership import MANIFEST, OWNED, ManifestMismatch, claim_output, remove_owned
+from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
+from embedpipe.io.ownership import ManifestMismatch, claim_output, remove_owned
+
+atomic_write = atomic_write_bytes  # the layout's one atomic write, under its earlier name
+__all__ = ["MANIFEST", "PART_NAME", "RECORD_NAME", "TEMP_NAME", "atomic_write"]
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +41,6 @@ FINGERPRINT_SKIP = {"input": {"path"}, "model": {"path"},
 # ONNX/OpenVINO exports, TF/Flax weights) cannot change a vector and is left out of the model's hash.
 MODEL_SUFFIXES = (".json", ".txt", ".model", ".safetensors", ".bin")
 MODEL_SKIP_DIRS = ("onnx", "openvino")
-# The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
-PART_NAME = re.compile(r"^part-(?P<unit>[\w.-]+)\.parquet$")
-RECORD_NAME = re.compile(r"^(?P<unit>[\w.-]+)\.(json|parquet)$")
-TEMP_NAME = re.compile(r"^\..+\.\d+\.tmp$")
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
 
 def file_sha256(path: str | Path) -> str:
     digest = hashlib.sha256()
@@ -158,7 +149,8 @@ class Manifest:
 
     def __init__(self, output: str | Path):
         self.output = Path(output)
-        self.root = self.output / MANIFEST
+        self.layout = OutputLayout(self.output)
+        self.root = self.layout.manifest
 
     # ------------------------------------------------------------------ driver side
     @classmethod
@@ -168,7 +160,7 @@ class Manifest:
         claim_output(manifest.output, kind="run")
         if overwrite:
             manifest.clear()
-        job_file = manifest.root / "job.json"
+        job_file = manifest.layout.job
         if job_file.is_file():
             old = _read_json(job_file)
             if old is None:
@@ -195,7 +187,7 @@ class Manifest:
         resume) also with their recorded sha256, hashed on a few threads. An unreadable record or a
         corrupt part leaves its unit undone, with a warning: the unit is redone."""
         records = {}
-        for path in sorted((self.root / "units").glob("*.json")):
+        for path in sorted(self.layout.units.glob("*.json")):
             record = _read_json(path)
             if not _well_formed(record):
                 log.warning("%s is unreadable (cut short or edited): its unit is redone", path)
@@ -219,8 +211,8 @@ class Manifest:
 
         Only files with the names embedpipe gives them: anything else in these folders is left alone."""
         removed = []
-        for folder, pattern in ((self.output / "vectors", PART_NAME), (self.root / "units", RECORD_NAME),
-                                (self.root / "skipped", RECORD_NAME)):
+        for folder, pattern in ((self.layout.vectors, PART_NAME), (self.layout.units, RECORD_NAME),
+                                (self.layout.skipped_dir, RECORD_NAME)):
             if not folder.is_dir() or folder.is_symlink():
                 continue
             for path in folder.iterdir():
@@ -233,11 +225,11 @@ class Manifest:
         return removed
 
     def skipped_files(self) -> list[Path]:
-        return sorted((self.root / "skipped").glob("*.parquet"))
+        return sorted(self.layout.skipped_dir.glob("*.parquet"))
 
     # ------------------------------------------------------------------ worker side
     def skipped_path(self, unit_id: str) -> Path:
-        return self.root / "skipped" / f"{unit_id}.parquet"
+        return self.layout.skipped_part(unit_id)
 
     def record(self, unit_id: str, *, parts: list[Path], **fields: Any) -> dict[str, Any]:
         """Write the unit's record last: from now on the unit is done."""
@@ -247,7 +239,7 @@ class Manifest:
                        "sha256": file_sha256(p)} for p in parts],
             **fields,
         }
-        atomic_write(self.root / "units" / f"{unit_id}.json", json.dumps(record, indent=1).encode())
+        atomic_write(self.layout.unit_record(unit_id), json.dumps(record, indent=1).encode())
         return record
 
 

@@ -16,25 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
 from embedpipe.errors import BadJob, OutputRefused
-from embedpipe.io.lock import LOCK_NAME
+from embedpipe.io.layout import (CLEANED_DIRS, LOCK, MANIFEST, MARKER, OWNED, TEMPORARY, VERSIONED_OWNED, VERSIONS,
+                                  OutputLayout, atomic_write_bytes)
 
-MARKER = ".embedpipe-output"
-MANIFEST = "_manifest"
-# What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
-# removes exactly these, and nothing else in the folder.
-OWNED = (MANIFEST, "vectors", "index", "report.json", "report.md", "report.png", "skipped.parquet",
-         "quantization.json", "runs")
-VERSIONED_OWNED = ("CURRENT", "versions")
-# Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
-CLEANED_DIRS = ("vectors", MANIFEST, f"{MANIFEST}/units", f"{MANIFEST}/skipped", "index", "versions", "runs")
-# The temporary names of embedpipe's temp-then-rename writes: `.<name>.<pid>.tmp` and `<name>.tmp`.
-TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
+__all__ = ["CLEANED_DIRS", "MANIFEST", "MARKER", "OWNED", "TEMPORARY", "VERSIONED_OWNED"]  # the layout's names
 
 
 class ManifestMismatch(BadJob, RuntimeError):
@@ -54,14 +44,14 @@ def check_output(root: str | Path) -> None:
     if not root.is_dir():
         raise OutputNotOwned(f"output.path {root} exists and is not a folder: choose a new output.path")
     for name in CLEANED_DIRS:
-        path = root / name
+        path = OutputLayout(root).entry(name)
         if path.is_symlink():
             raise OutputNotOwned(
                 f"{path} is a symbolic link (to {os.readlink(path)}): embedpipe writes and cleans only inside its "
                 f"output folder; replace the link with a real folder, or point output.path elsewhere")
     if _marked(root) or _legacy_output(root):
         return
-    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(LOCK_NAME))  # the lock's own files
+    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(LOCK))  # the lock's own files
     if not foreign:
         return
     shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -78,21 +68,20 @@ def claim_output(root: str | Path, *, kind: str) -> None:
     root.mkdir(parents=True, exist_ok=True)
     if _marked(root):
         return
-    from embedpipe.io.manifest import atomic_write
-
     marker = {"embedpipe": _version(), "kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    atomic_write(root / MARKER, json.dumps(marker, indent=1).encode())
+    atomic_write_bytes(OutputLayout(root).marker, json.dumps(marker, indent=1).encode())
 
 
 def is_output(folder: Path) -> bool:
     """Whether ``folder`` is an embedpipe output (marked, or an earlier embedpipe's with a manifest or VALIDATED)."""
-    return _marked(folder) or (folder / MANIFEST / "job.json").is_file() or (folder / "VALIDATED").is_file()
+    layout = OutputLayout(folder)
+    return _marked(folder) or layout.job.is_file() or layout.validated.is_file()
 
 
 def remove_owned(root: Path, names: tuple[str, ...]) -> None:
     """Remove these top-level entries of a marked output: a link itself, never what it points to."""
     for name in names:
-        path = root / name
+        path = OutputLayout(root).entry(name)
         if path.is_symlink() or path.is_file():
             path.unlink()
         elif path.is_dir():
@@ -102,7 +91,7 @@ def remove_owned(root: Path, names: tuple[str, ...]) -> None:
 def sweep_temporaries(root: Path) -> list[Path]:
     """Remove embedpipe's leftover temporary files (a killed write's ``.tmp``) from an output's folders."""
     removed = []
-    for folder in (root, *(root / name for name in CLEANED_DIRS if name != "versions")):
+    for folder in (root, *(OutputLayout(root).entry(name) for name in CLEANED_DIRS if name != VERSIONS)):
         if not folder.is_dir() or folder.is_symlink():
             continue
         for path in folder.iterdir():
@@ -122,15 +111,17 @@ def _version() -> str:
 
 
 def _marked(root: Path) -> bool:
-    return (root / MARKER).is_file() and not (root / MARKER).is_symlink()
+    marker = OutputLayout(root).marker
+    return marker.is_file() and not marker.is_symlink()
 
 
 def _legacy_output(root: Path) -> bool:
     """An output written by embedpipe before the marker existed: its manifest, or a version folder of its own."""
-    if (root / MANIFEST / "job.json").is_file():
+    layout = OutputLayout(root)
+    if layout.job.is_file():
         return True
-    versions = root / "versions"
-    return (root / "CURRENT").is_file() and versions.is_dir() and any(
+    versions = layout.versions
+    return layout.current.is_file() and versions.is_dir() and any(
         p.is_dir() and is_output(p) for p in versions.iterdir())
 
 

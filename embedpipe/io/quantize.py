@@ -19,8 +19,10 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
+from embedpipe.io.layout import QUANTIZATION, OutputLayout
+
 METADATA_KEY = b"embedpipe.quantization"  # Parquet schema metadata key of every part
-RECORD = "quantization.json"  # the same record, once per output folder
+RECORD = QUANTIZATION  # the same record, once per output folder (the layout's name)
 
 
 @dataclass(frozen=True)
@@ -125,5 +127,5 @@ def read_record(path: str | Path | None) -> dict | None:
     if path is None:
         return None
     path = Path(path)
-    path = path / RECORD if path.is_dir() else path
+    path = OutputLayout(path).quantization if path.is_dir() else path
     return json.loads(path.read_text()) if path.is_file() else None

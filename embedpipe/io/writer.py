@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantization_record, quantize, stored_type
 
 
@@ -37,11 +36,7 @@ def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
 
 def write_table_atomic(table: pa.Table, path: Path) -> Path:
     """Write to a temporary name in the same folder, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_table(table, path)
 
 
 class ParquetPartWriter:
@@ -51,14 +46,15 @@ class ParquetPartWriter:
 
     def __init__(self, *, output_path: str, dtype: str = "float32", calibration: Calibration | None = None,
                  dim: int | None = None):
-        self.dir = Path(output_path) / "vectors"
+        self.layout = OutputLayout(output_path)
+        self.dir = self.layout.vectors
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dtype, self.calibration, self.dim = dtype, calibration, dim
         if stored_type(dtype).calibrated and calibration is None:  # fail at startup, not at the first unit
             raise ValueError(f"output.dtype {dtype!r} needs the run's calibration ranges")
 
     def path_for(self, unit_id: str) -> Path:
-        return self.dir / f"part-{unit_id}.parquet"
+        return self.layout.part(unit_id)
 
     def store(self, vectors: np.ndarray) -> np.ndarray:
         """Float vectors [N, D] -> the stored values [N, W] this writer writes."""

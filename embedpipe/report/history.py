@@ -17,13 +17,13 @@ import logging
 from datetime import datetime, timezone
 from pathlib import Path
 
+from embedpipe.io.layout import RUNS, OutputLayout
 from embedpipe.report.counters import Counters
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import write_report
 
 log = logging.getLogger(__name__)
 
-RUNS = "runs"
 RUN_ID_FORMAT = "%Y%m%dT%H%M%SZ"  # as versions.py names its versions
 # What a run that held no worker still knows about the output, and so rewrites in the output's report.
 OUTPUT_KEYS = ("job", "rows", "tokens", "padded_tokens", "truncated_rows", "skipped_rows", "bad_rows",
@@ -42,16 +42,16 @@ def new_run_id(runs: Path, *, started_at: float) -> str:
 
 def record_run(output: Path, report: dict, *, started_at: float, this_run: Counters) -> dict:
     """Write the run's report under runs/<run id>/, then the output's report from it; returns the output's."""
-    runs = output / RUNS
-    run_id = new_run_id(runs, started_at=started_at)
+    layout = OutputLayout(output)
+    run_id = new_run_id(layout.runs, started_at=started_at)
     run = {**report, "run": {"id": run_id,
                              "started": datetime.fromtimestamp(started_at, timezone.utc).isoformat(timespec="seconds"),
                              "rows_encoded": this_run.rows - this_run.reused_rows, "tokens_encoded": this_run.tokens}}
-    folder = runs / run_id
+    folder = layout.run(run_id).root
     folder.mkdir(parents=True)
     write_report(folder, run)
     write_renderings(folder, run)
-    previous = None if run["workers"] else _read(output / "report.json")
+    previous = None if run["workers"] else _read(layout.report_json)
     whole = output_report(run, previous=previous, runs=list_runs(output))
     write_report(output, whole)
     write_renderings(output, whole)
@@ -67,8 +67,8 @@ def output_report(run: dict, *, previous: dict | None, runs: list[dict]) -> dict
 
 def list_runs(output: Path) -> list[dict]:
     """One line per run under runs/, oldest first: what it encoded, in what time, at what cost."""
-    folder = output / RUNS
-    found = [_read(p / "report.json") for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+    folder = OutputLayout(output).runs
+    found = [_read(OutputLayout(p).report_json) for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
     entries = [_entry(r) for r in found if r is not None and isinstance(r.get("run"), dict)]
     return sorted(entries, key=lambda e: (e["started"], e["run_id"]))
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from embedpipe.io.layout import REPORT_PNG, OutputLayout
 from embedpipe.report.cost import project
 
 UNKNOWN = "unknown"
@@ -297,7 +298,7 @@ def render_table(report: dict, *, project_rows: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def render_markdown(report: dict, *, project_rows: float | None = None, plot: str | None = "report.png") -> str:
+def render_markdown(report: dict, *, project_rows: float | None = None, plot: str | None = REPORT_PNG) -> str:
     name = report.get("job") or "run"
     lines = [f"# embedpipe report: {name}", "", headline(report), ""]
     for title, rows in _sections(metrics_for(report, project_rows=project_rows), report).items():
@@ -369,7 +370,7 @@ def _md_row(cells: list[str]) -> str:
 def load_report(output_dir: str | Path) -> dict:
     """report.json of a finished output or of one of its runs (``OUTPUT/runs/<run id>``), or the file itself."""
     path = Path(output_dir)
-    path = path if path.suffix == ".json" else path / "report.json"
+    path = path if path.suffix == ".json" else OutputLayout(path).report_json
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: pass the output.path of a finished run")
     return json.loads(path.read_text())

@@ -10,9 +10,9 @@ output's report.json carries a run's report forward (report/history.py): there t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from embedpipe.io.layout import OutputLayout, atomic_write_text
 from embedpipe.report.counters import Counters
 
 
@@ -37,11 +37,7 @@ def build_report(total: Counters, *, this_run: Counters, wall_seconds: float, wo
 
 
 def write_report(output: Path, report: dict) -> Path:
-    path = Path(output) / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(OutputLayout(output).report_json, json.dumps(report, indent=2) + "\n")
 
 
 def render_summary(report: dict) -> str:

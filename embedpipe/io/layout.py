@@ -1,0 +1,268 @@
+"""The one owner of every path in an output tree, and of the one atomic write.
+
+    <output.path>/
+      .embedpipe-output  .embedpipe.lock           marker (what made it), the run lock
+      _manifest/job.json                           the job fingerprint
+      _manifest/units/<unit>.json                  one record per finished unit
+      _manifest/skipped/<unit>.parquet             a unit's rows that got no vector
+      vectors/part-<unit>.parquet                  one part per unit
+      index/index.faiss ids.parquet holdout.parquet index.ivfdata index.json   (_build/ while building)
+      report.json report.md report.png runs/<run id>/report.json
+      skipped.parquet quantization.json
+      CURRENT versions/<run id>/ (each an output tree) versions/<run id>/VALIDATED   (versioned roots)
+
+Callers ask an ``OutputLayout(root)`` for a path and never spell one; writes go through
+``atomic_path`` (a temporary name in the same folder, ``.<name>.<pid>.tmp``, then ``os.replace``).
+Every path is made here, so backing the tree by an object store (fsspec) changes this module alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MARKER = ".embedpipe-output"
+LOCK = ".embedpipe.lock"
+MANIFEST = "_manifest"
+UNITS = "units"
+SKIPPED_DIR = "skipped"
+JOB = "job.json"
+VECTORS = "vectors"
+INDEX = "index"
+INDEX_WORK = "_build"
+RUNS = "runs"
+REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
+SKIPPED = "skipped.parquet"
+QUANTIZATION = "quantization.json"
+CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
+
+# What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
+# removes exactly these, and nothing else in the folder.
+OWNED = (MANIFEST, VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS)
+VERSIONED_OWNED = (CURRENT, VERSIONS)
+# Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
+CLEANED_DIRS = (VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX, VERSIONS, RUNS)
+# The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
+PART_NAME = re.compile(r"^part-(?P<unit>[\w.-]+)\.parquet$")
+PART_GLOB = "part-*.parquet"
+RECORD_NAME = re.compile(r"^(?P<unit>[\w.-]+)\.(json|parquet)$")
+# The temporary names of atomic_path (`.<name>.<pid>.tmp`), and `<name>.tmp` of earlier embedpipe versions.
+TEMP_NAME = re.compile(r"^\..+\.\d+\.tmp$")
+TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
+
+
+def part_name(unit_id: str) -> str:
+    return f"part-{unit_id}.parquet"
+
+
+@dataclass(frozen=True)
+class IndexLayout:
+    """The files of one FAISS index folder (``<output>/index``, or a folder given to ``search``)."""
+
+    dir: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", Path(self.dir))
+
+    @property
+    def faiss(self) -> Path:
+        return self.dir / "index.faiss"
+
+    @property
+    def ivfdata(self) -> Path:  # on-disk inverted lists, next to index.faiss (faiss opens it from there)
+        return self.dir / "index.ivfdata"
+
+    @property
+    def ids(self) -> Path:
+        return self.dir / "ids.parquet"
+
+    @property
+    def holdout(self) -> Path:
+        return self.dir / "holdout.parquet"
+
+    @property
+    def meta(self) -> Path:  # written last: the index is finished once it exists
+        return self.dir / "index.json"
+
+    @property
+    def work(self) -> Path:  # the build's scratch folder, removed and made anew by each build
+        return self.dir / INDEX_WORK
+
+    @property
+    def work_ids(self) -> Path:  # ids.parquet as the scan writes it, moved into place with the index
+        return self.work / self.ids.name
+
+    @property
+    def shards(self) -> Path:
+        return self.work / "shards"
+
+    def shard(self, unit_id: str) -> Path:
+        return shard_path(self.shards, unit_id)
+
+
+def shard_path(shard_dir: str | Path, unit_id: str) -> Path:
+    """One unit's IVF shard in the build's shard folder (a worker knows only that folder)."""
+    return Path(shard_dir) / f"shard-{unit_id}.ivfl"
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Every path of the output tree at ``root`` (a run's output, or a versioned root's)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    def entry(self, name: str) -> Path:
+        """A top-level entry by its name (one of OWNED, VERSIONED_OWNED, CLEANED_DIRS)."""
+        return self.root / name
+
+    # ---------------------------------------------------------------- ownership
+    @property
+    def marker(self) -> Path:
+        return self.root / MARKER
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK
+
+    # ---------------------------------------------------------------- manifest
+    @property
+    def manifest(self) -> Path:
+        return self.root / MANIFEST
+
+    @property
+    def job(self) -> Path:
+        return self.manifest / JOB
+
+    @property
+    def units(self) -> Path:
+        return self.manifest / UNITS
+
+    def unit_record(self, unit_id: str) -> Path:
+        return self.units / f"{unit_id}.json"
+
+    @property
+    def skipped_dir(self) -> Path:
+        return self.manifest / SKIPPED_DIR
+
+    def skipped_part(self, unit_id: str) -> Path:
+        return self.skipped_dir / f"{unit_id}.parquet"
+
+    # ---------------------------------------------------------------- vectors, index
+    @property
+    def vectors(self) -> Path:
+        return self.root / VECTORS
+
+    def part(self, unit_id: str) -> Path:
+        return self.vectors / part_name(unit_id)
+
+    def parts(self) -> list[Path]:
+        """The part files now in vectors/, by name."""
+        return sorted(self.vectors.glob(PART_GLOB))
+
+    @property
+    def index_dir(self) -> Path:
+        return self.root / INDEX
+
+    @property
+    def index(self) -> IndexLayout:
+        return IndexLayout(self.index_dir)
+
+    # ---------------------------------------------------------------- report, run history
+    @property
+    def report_json(self) -> Path:
+        return self.root / REPORT_JSON
+
+    @property
+    def report_md(self) -> Path:
+        return self.root / REPORT_MD
+
+    @property
+    def report_png(self) -> Path:
+        return self.root / REPORT_PNG
+
+    @property
+    def runs(self) -> Path:
+        return self.root / RUNS
+
+    def run(self, run_id: str) -> "OutputLayout":
+        """One run's folder under runs/: its own report.json, report.md, report.png."""
+        return OutputLayout(self.runs / run_id)
+
+    @property
+    def skipped(self) -> Path:
+        return self.root / SKIPPED
+
+    @property
+    def quantization(self) -> Path:
+        return self.root / QUANTIZATION
+
+    # ---------------------------------------------------------------- versioned roots
+    @property
+    def current(self) -> Path:
+        return self.root / CURRENT
+
+    @property
+    def versions(self) -> Path:
+        return self.root / VERSIONS
+
+    def version(self, run_id: str) -> "OutputLayout":
+        return OutputLayout(self.versions / run_id)
+
+    @property
+    def validated(self) -> Path:  # in a version folder: written once the run finished and validated
+        return self.root / VALIDATED
+
+
+# -------------------------------------------------------------------- the one atomic write
+
+def temp_path(path: Path) -> Path:
+    """The temporary name of ``path`` while it is written: same folder, so the rename is atomic."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s content to; renamed onto ``path`` on success, removed
+    on failure: readers see the old file or the new one, never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_move(src: str | Path, path: str | Path) -> Path:
+    """Put a finished file (written whole elsewhere in the same tree) in place by one rename."""
+    os.replace(src, path)
+    return Path(path)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_table(table: pa.Table, path: str | Path) -> Path:
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return Path(path)
