@@ -7,9 +7,7 @@ read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> en
 from __future__ import annotations
 
 import logging
-import os
 import resource
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -67,10 +65,6 @@ class EmbedWorker:
 
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
         self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,)).to_dict()
-
-    def info(self) -> dict:
-        return {"index": self.index, "host": socket.gethostname(), "pid": os.getpid(),
-                "device": self.encoder.device, "dim": self.encoder.dim}
 
     def process(self, unit: Unit) -> UnitResult:
         from embedpipe.io.layout import atomic_write_table
