@@ -130,7 +130,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
     version_job = job.replace(output={"path": str(OutputLayout(root).version(version).root)})
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
-                       previous_rows=versions.previous_rows(root) if incremental else 0)
+                       previous_rows=versions.previous_rows(root) if incremental else 0, fingerprint=fingerprint)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
     versions.promote(root, version)
     result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
@@ -143,13 +143,15 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
 
 
 def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
-              previous_rows: int = 0) -> RunResult:
+              previous_rows: int = 0, fingerprint: dict | None = None) -> RunResult:
+    """``fingerprint``: the job's, when the caller has it already (it leaves output.path out, so a version
+    folder's is its root's): the model's files and the input stamps are then read once per run."""
     started, started_at = time.perf_counter(), time.time()
     index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
     output = Path(job.output.path)
     output.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest.open(output, job_fingerprint(job, files=plan.files, model_dir=plan.model_dir),
-                             overwrite=overwrite)
+    fingerprint = fingerprint or job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
+    manifest = Manifest.open(output, fingerprint, overwrite=overwrite)
     unit_ids = {u.id for u in plan.units}
     done = {k: v for k, v in manifest.done(verify=True).items() if k in unit_ids}  # parts checked by sha256
     manifest.clean_partials(set(done))
