@@ -25,7 +25,8 @@ import ray.exceptions as rex
 
 from embedpipe.cluster.scheduler import Liveness, disk_problem, failure_message, unit_deadline
 from embedpipe.config import ClusterConfig
-from tests.conftest import ROOT, split_corpus, write_job
+from tests.conftest import ROOT, write_job
+from tests.test_reliability import corpus  # noqa: F401 - the same fixture: 600 rows, 20 units of 30
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -95,14 +96,6 @@ def encoder():
     from embedpipe.runtime import Encoder
 
     return Encoder.from_options(MODEL)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory, quickstart_table):
-    table = quickstart_table.slice(0, 600).select(["id", "text"])
-    folder = tmp_path_factory.mktemp("safety_corpus")
-    split_corpus(table, folder, files=2, row_group_size=30)  # 20 units of 30 rows
-    return table, folder
 
 
 def _job(tmp_path: Path, folder: Path, **cluster) -> Path:
