@@ -58,6 +58,14 @@ def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["hub", "
 # --------------------------------------------------------------------------- sections
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+STORAGE_DOC = ("fsspec options for {section}.path's store (`endpoint_url`, `profile`, `anon`, `key`, `secret`, "
+               "`client_kwargs`, ...), passed to the driver and every worker on every node; the standard environment "
+               "variables (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) apply too. Never written anywhere: job.json, "
+               "index.json and the report keep only the names of secret options.")
+# storage_options whose values are not secrets: written as given; every other value is written as REDACTED.
+PUBLIC_STORAGE_OPTIONS = frozenset({"endpoint_url", "anon", "profile", "region_name", "use_ssl", "requester_pays",
+                                    "project", "account_name", "default_block_size", "client_kwargs", "config_kwargs"})
+REDACTED = "<redacted>"
 Pooling = Literal["auto", "mean", "cls", "last"]
 OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
 
@@ -79,6 +87,7 @@ class InputConfig:
         "error", "A row whose text is null, empty, not text or not valid UTF-8, or whose id is null: error stops the run "
                  "naming the row; skip writes no vector and lists the id in `<output.path>/skipped.parquet`; "
                  "embed_empty embeds '' (a row with a null id is skipped under both).")
+    storage_options: dict[str, Any] = opt({}, STORAGE_DOC.format(section="input"))
     on_duplicate_id: Literal["error", "keep_first"] = opt(
         "error", "An id seen twice in the input: error stops before encoding; keep_first embeds the first "
                  "occurrence (input order) and lists the others in skipped.parquet.")
@@ -134,6 +143,7 @@ class BatchingConfig:
 class OutputConfig:
     path: str = opt(doc="Output directory (a local or mounted path): vectors land in `<path>/vectors/`, the report in "
                         "`<path>/report.json`.", path=True)
+    storage_options: dict[str, Any] = opt({}, STORAGE_DOC.format(section="output"))
     format: Literal["parquet", "faiss", "both"] = opt(
         "parquet", "What to write: parquet (one part file per work unit), faiss (also a FAISS index in "
                    "`<path>/index/`, built from the parts, which stay: resume and versions rest on them) or both.")
@@ -307,12 +317,30 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
 
+    def record(self) -> dict[str, Any]:
+        """``to_dict`` as embedpipe writes it down (job.json, index.json): storage_options' secrets redacted."""
+        raw = self.to_dict()
+        for section in ("input", "output"):
+            raw[section]["storage_options"] = redact_storage_options(raw[section]["storage_options"])
+        return raw
+
     def replace(self, **sections: Any) -> "JobSpec":
         """A copy with some fields changed: ``job.replace(output={"path": "/tmp/x"})``."""
         raw = self.to_dict()
         for section, values in sections.items():
             raw.setdefault(section, {}).update(values)
         return parse_job(raw, name=self.name)
+
+
+def redact_storage_options(options: dict[str, Any]) -> dict[str, Any]:
+    """fsspec options with every value that may be a secret (key, secret, token, password, ...) replaced."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in PUBLIC_STORAGE_OPTIONS:
+            out[name] = redact_storage_options(value) if isinstance(value, dict) else value
+        else:
+            out[name] = REDACTED
+    return out
 
 
 # --------------------------------------------------------------------------- loading
@@ -461,6 +489,8 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
             return value
         choices = ", ".join(str(a) for a in args)
         raise JobError(where, f"{value!r} is not one of {choices}", f"set {where} to one of them", source=source)
+    if tp is Any:
+        return value
     if tp is type(None):
         if value is None:
             return None
@@ -511,7 +541,7 @@ def _describe(tp: Any) -> str:
     if origin is list:
         return f"a list of {_describe(args[0])}"
     if origin is dict:
-        return f"a mapping of {_describe(args[1])}"
+        return "a mapping of names to values" if args[1] is Any else f"a mapping of {_describe(args[1])}"
     return {type(None): "null", bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 

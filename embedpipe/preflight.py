@@ -32,6 +32,7 @@ from embedpipe.config import JobError, JobSpec, OutputConfig
 from embedpipe.errors import BadJob
 from embedpipe.index.factory import FactoryError, parse_factory
 from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
+from embedpipe.io import fs
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.quantize import stored_type
 from embedpipe.io.rows import null_id_error
@@ -99,6 +100,7 @@ Plan = RunPlan  # the name callers used before RunPlan carried the model and ind
 
 def preflight(job: JobSpec) -> RunPlan:
     """Check the job against its output, input and model, in that order of cost; the run's plan."""
+    fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
     if job.output.versioned:
         check_current(Path(job.output.path))

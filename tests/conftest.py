@@ -111,3 +111,47 @@ def assert_same_vectors(got, want, *, min_cos: float = 0.99999) -> None:
     assert got.shape == want.shape
     cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cos.min() >= min_cos, f"lowest cosine {cos.min():.6f} at row {int(cos.argmin())}"
+
+
+# --------------------------------------------------------------------------- object storage: a real S3 API on loopback
+
+S3_KEY, S3_SECRET = "embedpipe-test-key", "embedpipe-test-secret"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 API server on 127.0.0.1 (a free port), for the whole session: its endpoint URL."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_options(s3_server) -> dict:
+    """The job's `storage_options` for the loopback S3 server (endpoint and credentials)."""
+    return {"endpoint_url": s3_server, "key": S3_KEY, "secret": S3_SECRET}
+
+
+@pytest.fixture
+def s3_bucket(s3_server, s3_options, request) -> str:
+    """A fresh bucket for one test: its URL, ``s3://<bucket>``. The fs layer knows its options in this process."""
+    import re
+    import uuid
+
+    import s3fs
+
+    from embedpipe.io import fs
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    bucket = f"{name}-{uuid.uuid4().hex[:8]}"
+    s3fs.S3FileSystem(**s3_options, skip_instance_cache=True).mkdir(bucket)
+    fs.use_storage_options(f"s3://{bucket}", s3_options)
+    return f"s3://{bucket}"

@@ -47,6 +47,9 @@ def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -
 
 
 def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
+    from embedpipe.io.fs import use_job_storage
+
+    use_job_storage(job)
     """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D]."""
     from embedpipe.runtime import Encoder
 

@@ -43,6 +43,9 @@ class EmbedWorker:
         """``calibration``: the run's int8/uint8 ranges (embedpipe.io.quantize.Calibration), the same on
         every worker, replacements included: the driver fits them before any worker starts."""
         logging.basicConfig(level=logging.WARNING)
+        from embedpipe.io.fs import use_job_storage
+
+        use_job_storage(job)  # the job's storage_options reach every worker on every node
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.formats import UnitReader
         from embedpipe.io.writer import ParquetPartWriter

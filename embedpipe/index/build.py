@@ -145,7 +145,7 @@ class IndexBuild:
         if not (meta_path.is_file() and self.files.faiss.is_file()):
             return None
         meta = json.loads(meta_path.read_text())
-        same = meta.get("parts") == self._parts_fingerprint() and meta.get("job") == self.job.to_dict()
+        same = meta.get("parts") == self._parts_fingerprint() and meta.get("job") == self.job.record()
         return meta.get("report") if same else None
 
     # ------------------------------------------------------------------ passes over the parts
@@ -277,7 +277,7 @@ class IndexBuild:
         meta = {"format_version": FORMAT_VERSION, **{k: report[k] for k in (
                     "factory", "kind", "metric", "ntotal", "search_params", "ids", "on_disk",
                     "recall_at_10", "recall_at_1", "target_recall", "target_reached")},
-                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.to_dict(),
+                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.record(),
                 "parts": self._parts_fingerprint(), "report": report}
         atomic_write_text(self.files.meta, json.dumps(meta, indent=2) + "\n")
 

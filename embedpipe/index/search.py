@@ -23,12 +23,14 @@ class IndexNotFound(BadJob, FileNotFoundError):
 
 def _job_from_dict(raw: dict):
     """The job the index was built with, rebuilt without validation (its input may be gone)."""
-    from embedpipe.config import SECTIONS, JobSpec
+    from embedpipe.config import REDACTED, SECTIONS, JobSpec
 
     sections = {}
     for name, cls in SECTIONS.items():
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in (raw.get(name) or {}).items() if k in names}
+        if "storage_options" in values:  # the secrets were never written: they come from the environment
+            values["storage_options"] = {k: v for k, v in values["storage_options"].items() if v != REDACTED}
         try:
             sections[name] = cls(**values)
         except TypeError:  # a section whose required fields this version does not find

@@ -18,7 +18,7 @@ import posixpath
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Mapping
 
 import fsspec
 import fsspec.core
@@ -34,10 +34,39 @@ def is_url(path: str) -> bool:
     return "://" in str(path)
 
 
+# fsspec options per store (``proto://bucket``), set in each process from the job: `use_job_storage`.
+_STORAGE_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def store_of(url: str) -> str:
+    """The store a URL is in: ``s3://bucket/a/b.parquet`` -> ``s3://bucket``."""
+    protocol, rest = str(url).split("://", 1)
+    return f"{protocol}://{rest.split('/', 1)[0]}"
+
+
+def use_storage_options(url: str, options: Mapping[str, Any]) -> None:
+    """Open every URL in ``url``'s store with these fsspec options, in this process (driver or worker)."""
+    if is_url(url) and options:
+        _STORAGE_OPTIONS[store_of(url)] = dict(options)
+
+
+def use_job_storage(job) -> None:
+    """The job's ``input.storage_options`` and ``output.storage_options`` for its input and output stores.
+
+    Called wherever a job starts to touch its stores: the driver's run, each worker, each Ray task."""
+    use_storage_options(job.input.path, job.input.storage_options)
+    use_storage_options(job.output.path, job.output.storage_options)
+
+
+def storage_options(path: str) -> dict[str, Any]:
+    """The fsspec options ``path`` is opened with ({} for local paths and stores without options)."""
+    return dict(_STORAGE_OPTIONS.get(store_of(path), {})) if is_url(path) else {}
+
+
 def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The fsspec filesystem of ``path`` and the path within it (protocol stripped)."""
+    """The fsspec filesystem of ``path`` (with its store's options) and the path within it (protocol stripped)."""
     with remote_errors(path):
-        return fsspec.core.url_to_fs(str(path))
+        return fsspec.core.url_to_fs(str(path), **storage_options(str(path)))
 
 
 @contextmanager

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # Left out of the job fingerprint: paths (the files' own fingerprints cover them) and the output settings
 # that do not change a stored vector (how the FAISS index is built from the parts, how many versions stay):
 # changing those reuses every finished unit, and a rerun builds the index anew from the same parts.
-FINGERPRINT_SKIP = {"input": {"path"}, "model": {"path"},
-                    "output": {"path", "format", "index", "index_memory_gb", "target_recall", "keep_versions"}}
+# storage_options say how to reach the store (endpoint, credentials), never what is in it, and are not written.
+FINGERPRINT_SKIP = {"input": {"path", "storage_options"}, "model": {"path"},
+                    "output": {"path", "storage_options", "format", "index", "index_memory_gb", "target_recall", "keep_versions"}}
 # Files of a model folder that a worker reads (weights, configs, tokenizer, vocabularies); the rest (README,
 # ONNX/OpenVINO exports, TF/Flax weights) cannot change a vector and is left out of the model's hash.
 MODEL_SUFFIXES = (".json", ".txt", ".model", ".safetensors", ".bin")
