@@ -144,6 +144,11 @@ class OutputConfig:
     path: str = opt(doc="Output directory (a local or mounted path): vectors land in `<path>/vectors/`, the report in "
                         "`<path>/report.json`.", path=True)
     storage_options: dict[str, Any] = opt({}, STORAGE_DOC.format(section="output"))
+    lock: Literal["auto", "none"] = opt(
+        "auto", "auto: one live run per output path, kept by a lock with a heartbeat (a lock file; on s3:// a lock "
+                "object created and refreshed by conditional writes); a lock left by a dead run is taken over. "
+                "none: no lock, for a store without conditional writes (memory://, ...): make sure only one run "
+                "writes to the output at a time.")
     format: Literal["parquet", "faiss", "both"] = opt(
         "parquet", "What to write: parquet (one part file per work unit), faiss (also a FAISS index in "
                    "`<path>/index/`, built from the parts, which stay: resume and versions rest on them) or both.")

@@ -65,7 +65,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
         try:
-            with OutputLock(job.output.path):
+            with OutputLock(job.output.path, mode=job.output.lock):
                 if job.output.versioned:
                     return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
                 return _run_once(job, plan, progress=progress, overwrite=overwrite)
