@@ -84,7 +84,7 @@ class EmbedWorker:
             vectors, extra = self._embed_incremental(rows, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
-            part = self.writer(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
+            part = self.writer.write(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
             if rows.skipped.num_rows:
                 atomic_write_table(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done

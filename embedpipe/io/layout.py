@@ -5,7 +5,7 @@
       _manifest/job.json                           the job fingerprint
       _manifest/units/<unit>.json                  one record per finished unit
       _manifest/skipped/<unit>.parquet             a unit's rows that got no vector
-      vectors/part-<unit>.parquet                  one part per unit
+      vectors/part-<unit>.parquet                  one part per unit (object stores: part-<unit>.<attempt>.parquet)
       index/index.faiss ids.parquet holdout.parquet index.ivfdata index.json   (_build/ while building)
       report.json report.md report.png runs/<run id>/report.json
       skipped.parquet quantization.json
@@ -13,20 +13,24 @@
 
 Callers ask an ``OutputLayout(root)`` for a path and never spell one; writes go through
 ``atomic_path`` (a temporary name in the same folder, ``.<name>.<pid>.tmp``, then ``os.replace``).
-Every path is made here, so backing the tree by an object store (fsspec) changes this module alone.
+
+``root`` may be an fsspec URL (``s3://bucket/out``): its paths are then ``Url``s and ``layout.store``
+(embedpipe/io/store.py) an ``ObjectStore``, where each write is one PUT (atomic) and, there being no
+rename, a part is written under an attempt-unique name (``part-<unit>.<attempt>.parquet``); the unit's
+manifest record, written last, names it and is the commit point. Local roots keep ``Path``s and the names
+above exactly.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from embedpipe.io.store import ATTEMPT_HEX, Store, TreePath, Url, Written, store_for, tree_path
 
 MARKER = ".embedpipe-output"
 LOCK = ".embedpipe.lock"
@@ -50,7 +54,8 @@ VERSIONED_OWNED = (CURRENT, VERSIONS)
 # Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
 CLEANED_DIRS = (VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX, VERSIONS, RUNS)
 # The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
-PART_NAME = re.compile(r"^part-(?P<unit>[\w.-]+)\.parquet$")
+# A part: part-<unit>.parquet (local), part-<unit>.<attempt>.parquet (object stores: attempt-unique).
+PART_NAME = re.compile(rf"^part-(?P<unit>[\w.-]+?)(\.(?P<attempt>[0-9a-f]{{{ATTEMPT_HEX}}}))?\.parquet$")
 PART_GLOB = "part-*.parquet"
 RECORD_NAME = re.compile(r"^(?P<unit>[\w.-]+)\.(json|parquet)$")
 # The temporary names of atomic_path (`.<name>.<pid>.tmp`), and `<name>.tmp` of earlier embedpipe versions.
@@ -58,18 +63,22 @@ TEMP_NAME = re.compile(r"^\..+\.\d+\.tmp$")
 TEMPORARY = re.compile(r"^(\..+\.\d+|.+)\.tmp$")
 
 
-def part_name(unit_id: str) -> str:
-    return f"part-{unit_id}.parquet"
+def part_name(unit_id: str, attempt: str | None = None) -> str:
+    return f"part-{unit_id}.{attempt}.parquet" if attempt else f"part-{unit_id}.parquet"
 
 
 @dataclass(frozen=True)
 class IndexLayout:
     """The files of one FAISS index folder (``<output>/index``, or a folder given to ``search``)."""
 
-    dir: Path
+    dir: TreePath
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dir", Path(self.dir))
+        object.__setattr__(self, "dir", tree_path(self.dir))
+
+    @property
+    def store(self) -> Store:
+        return store_for(self.dir)
 
     @property
     def faiss(self) -> Path:
@@ -116,10 +125,15 @@ def shard_path(shard_dir: str | Path, unit_id: str) -> Path:
 class OutputLayout:
     """Every path of the output tree at ``root`` (a run's output, or a versioned root's)."""
 
-    root: Path
+    root: TreePath  # a Path, or a Url for an object store (never Path("s3://..."): it collapses "//")
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
+        object.__setattr__(self, "root", tree_path(self.root))
+
+    @property
+    def store(self) -> Store:
+        """The one door to the tree's files: a local folder, or an object store for URL roots."""
+        return store_for(self.root)
 
     def entry(self, name: str) -> Path:
         """A top-level entry by its name (one of OWNED, VERSIONED_OWNED, CLEANED_DIRS)."""
@@ -162,12 +176,25 @@ class OutputLayout:
     def vectors(self) -> Path:
         return self.root / VECTORS
 
-    def part(self, unit_id: str) -> Path:
-        return self.vectors / part_name(unit_id)
+    def part(self, unit_id: str, attempt: str | None = None) -> TreePath:
+        """A unit's part; ``attempt`` (object stores, ``store.unique_parts``) makes the name attempt-unique."""
+        return self.vectors / part_name(unit_id, attempt)
 
-    def parts(self) -> list[Path]:
-        """The part files now in vectors/, by name."""
-        return sorted(self.vectors.glob(PART_GLOB))
+    def relative(self, path: TreePath) -> str:
+        """``path`` relative to the root, with ``/`` (as a manifest record names its parts)."""
+        if isinstance(self.root, Url):
+            return str(path)[len(self.root.rstrip("/")) + 1:]
+        return Path(path).relative_to(self.root).as_posix()
+
+    def resolve(self, relative: str) -> TreePath:
+        """The path a manifest record's relative path names."""
+        return self.root / relative
+
+    def parts(self) -> list[TreePath]:
+        """The part files now in vectors/, by name: a folder listing, which holds orphans while a run is live or
+        after a killed one. Readers of a run's vectors take its parts from the manifest instead
+        (``Manifest.done``), and the driver deletes orphans on resume and at the end of every run."""
+        return [self.vectors / name for name in sorted(self.store.list(self.vectors)) if PART_NAME.match(name)]
 
     @property
     def index_dir(self) -> Path:
@@ -226,43 +253,40 @@ class OutputLayout:
 # -------------------------------------------------------------------- the one atomic write
 
 def temp_path(path: Path) -> Path:
-    """The temporary name of ``path`` while it is written: same folder, so the rename is atomic."""
+    """The temporary name of a local ``path`` while it is written: same folder, so the rename is atomic."""
     path = Path(path)
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-@contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path to write ``path``'s content to; renamed onto ``path`` on success, removed
-    on failure: readers see the old file or the new one, never half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def atomic_path(path: str | TreePath):
+    """A context yielding a local temporary path to write ``path``'s content to: renamed onto ``path`` on
+    success, removed on failure (readers see the old file or the new one, never half a file); for a URL,
+    uploaded by one PUT on success."""
+    path = tree_path(path)
+    return store_for(path).atomic_path(path)
 
 
 def atomic_move(src: str | Path, path: str | Path) -> Path:
-    """Put a finished file (written whole elsewhere in the same tree) in place by one rename."""
+    """Put a finished local file (written whole elsewhere in the same tree) in place by one rename."""
     os.replace(src, path)
     return Path(path)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-    return Path(path)
+def atomic_write_bytes(path: str | TreePath, data: bytes) -> TreePath:
+    path = tree_path(path)
+    return store_for(path).write_bytes(path, data).path
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write_text(path: str | TreePath, text: str) -> TreePath:
     return atomic_write_bytes(path, text.encode())
 
 
-def atomic_write_table(table: pa.Table, path: str | Path) -> Path:
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-    return Path(path)
+def atomic_write_table(table: pa.Table, path: str | TreePath) -> TreePath:
+    path = tree_path(path)
+    return store_for(path).write_table(table, path).path
+
+
+def write_table(table: pa.Table, path: str | TreePath) -> Written:
+    """``atomic_write_table`` that also says what was written: size and sha256 (of the bytes uploaded)."""
+    path = tree_path(path)
+    return store_for(path).write_table(table, path)

@@ -20,11 +20,13 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
+from embedpipe.io.store import Store, Written
 from embedpipe.io.ownership import ManifestMismatch, claim_output, remove_owned
 
 atomic_write = atomic_write_bytes  # the layout's one atomic write, under its earlier name
@@ -146,11 +148,17 @@ def vector_salt(fingerprint: dict[str, Any]) -> bytes:
 
 
 class Manifest:
-    """One per output path; the driver opens it, workers write unit records through it."""
+    """One per output path; the driver opens it, workers write unit records through it.
+
+    The output may be a local folder or an object store (``OutputLayout(output).store``); the records are
+    the same. On an object store a part's name is attempt-unique and its record, one PUT written last, is
+    the commit point: a part that no record names is an orphan, never read, and deleted by
+    ``clean_partials`` (on resume and at the end of every run)."""
 
     def __init__(self, output: str | Path):
-        self.output = Path(output)
-        self.layout = OutputLayout(self.output)
+        self.layout = OutputLayout(output)
+        self.output = self.layout.root
+        self.store = self.layout.store
         self.root = self.layout.manifest
 
     # ------------------------------------------------------------------ driver side
@@ -162,8 +170,8 @@ class Manifest:
         if overwrite:
             manifest.clear()
         job_file = manifest.layout.job
-        if job_file.is_file():
-            old = _read_json(job_file)
+        if manifest.store.exists(job_file):
+            old = _read_json(manifest.store, job_file)
             if old is None:
                 raise ManifestMismatch(f"{job_file} is unreadable (not the JSON embedpipe writes): pass --overwrite "
                                        f"to replace this output, or choose a new output.path")
@@ -183,71 +191,108 @@ class Manifest:
         """--overwrite: remove what embedpipe writes here (links themselves, never their targets), nothing else."""
         remove_owned(self.output, OWNED)
 
-    def done(self, *, verify: bool = False) -> dict[str, dict[str, Any]]:
-        """Records of units whose parts are all present with their recorded sizes; with ``verify`` (on
-        resume) also with their recorded sha256, hashed on a few threads. An unreadable record or a
-        corrupt part leaves its unit undone, with a warning: the unit is redone."""
-        records = {}
-        for path in sorted(self.layout.units.glob("*.json")):
-            record = _read_json(path)
+    def records(self) -> list[dict[str, Any]]:
+        """Every well-formed unit record, by unit id (one listing of units/, the records read together)."""
+        names = sorted(n for n in self.store.list(self.layout.units) if n.endswith(".json"))
+        paths = [self.layout.units / n for n in names]
+        found = self.store.read_many(paths)
+        records = []
+        for path in paths:
+            record = _parse_json(found.get(path))
             if not _well_formed(record):
                 log.warning("%s is unreadable (cut short or edited): its unit is redone", path)
                 continue
-            parts = [self.output / p["path"] for p in record["parts"]]
-            if all(p.is_file() and not p.is_symlink() and p.stat().st_size == meta["bytes"]
-                   for p, meta in zip(parts, record["parts"])):
-                records[record["unit_id"]] = record
-        if verify and records:
-            checks = [(unit, self.output / p["path"], p["sha256"]) for unit, r in records.items() for p in r["parts"]]
-            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
-                hashes = list(pool.map(lambda check: file_sha256(check[1]), checks))
-            for (unit, path, want), got in zip(checks, hashes):
-                if got != want and records.pop(unit, None) is not None:
-                    log.warning("%s does not match the sha256 its unit recorded (corrupt): unit %s is redone",
-                                path, unit)
+            records.append(record)
         return records
 
-    def clean_partials(self, done: set[str]) -> list[Path]:
-        """Remove temporary files and the files of units without a record (a crashed run's leftovers).
+    def done(self, *, verify: bool = False) -> dict[str, dict[str, Any]]:
+        """Records of units whose parts are all present with their recorded sizes: ONE listing per folder the
+        records name (vectors/), never a look per part. With ``verify`` (on resume), local parts are also
+        checked against their recorded sha256, hashed on a few threads; object-store parts are trusted by name
+        and size (each was written by one PUT under a name no other attempt uses, and an object is never
+        changed in place; its record keeps the sha256 for any reader that wants to check). An unreadable record
+        or a corrupt part leaves its unit undone, with a warning: the unit is redone."""
+        records = self.records()
+        listings: dict[str, dict[str, int]] = {}
+        for record in records:
+            for part in record["parts"]:
+                folder = posixpath.dirname(part["path"])
+                if folder not in listings:
+                    listings[folder] = self.store.list(self.layout.resolve(folder) if folder else self.output)
+        intact = {}
+        for record in records:
+            if all(listings[posixpath.dirname(p["path"])].get(posixpath.basename(p["path"])) == p["bytes"]
+                   for p in record["parts"]):
+                intact[record["unit_id"]] = record
+        if verify and intact and self.store.local:
+            checks = [(unit, self.layout.resolve(p["path"]), p["sha256"]) for unit, r in intact.items()
+                      for p in r["parts"]]
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+                hashes = list(pool.map(lambda check: self.store.sha256(check[1]), checks))
+            for (unit, path, want), got in zip(checks, hashes):
+                if got != want and intact.pop(unit, None) is not None:
+                    log.warning("%s does not match the sha256 its unit recorded (corrupt): unit %s is redone",
+                                path, unit)
+        return intact
+
+    def part_paths(self, record: dict[str, Any]) -> list:
+        """The paths of the parts a unit record names."""
+        return [self.layout.resolve(p["path"]) for p in record["parts"]]
+
+    def clean_partials(self, done: set[str] | dict[str, dict[str, Any]]) -> list:
+        """Remove temporary files and the files of units without a record (a crashed run's leftovers); given the
+        done units' records, also every part that no record names (an orphan: another attempt of a unit, cut
+        off by a killed worker or driver). One listing per folder; on object stores, one batched delete.
 
         Only files with the names embedpipe gives them: anything else in these folders is left alone."""
-        removed = []
+        kept = {posixpath.basename(p["path"]) for r in done.values() for p in r["parts"]} \
+            if isinstance(done, dict) else None
+        doomed = []
         for folder, pattern in ((self.layout.vectors, PART_NAME), (self.layout.units, RECORD_NAME),
                                 (self.layout.skipped_dir, RECORD_NAME)):
-            if not folder.is_dir() or folder.is_symlink():
+            if self.store.local and Path(folder).is_symlink():
                 continue
-            for path in folder.iterdir():
-                if path.is_symlink() or not path.is_file():
-                    continue
-                match = pattern.match(path.name)
-                if TEMP_NAME.match(path.name) or (match and match["unit"] not in done):
-                    path.unlink()
-                    removed.append(path)
-        return removed
+            for name in self.store.list(folder):
+                match = pattern.match(name)
+                orphan = kept is not None and pattern is PART_NAME and match and name not in kept
+                if TEMP_NAME.match(name) or (match and match["unit"] not in done) or orphan:
+                    doomed.append(folder / name)
+        self.store.remove_many(doomed)
+        return doomed
 
-    def skipped_files(self) -> list[Path]:
-        return sorted(self.layout.skipped_dir.glob("*.parquet"))
+    def skipped_files(self) -> list:
+        return [self.layout.skipped_dir / n for n in sorted(self.store.list(self.layout.skipped_dir))
+                if n.endswith(".parquet")]
 
     # ------------------------------------------------------------------ worker side
-    def skipped_path(self, unit_id: str) -> Path:
+    def skipped_path(self, unit_id: str):
         return self.layout.skipped_part(unit_id)
 
-    def record(self, unit_id: str, *, parts: list[Path], **fields: Any) -> dict[str, Any]:
-        """Write the unit's record last: from now on the unit is done."""
+    def record(self, unit_id: str, *, parts: list[Written | Path], **fields: Any) -> dict[str, Any]:
+        """Write the unit's record last: from now on the unit is done. ``parts``: what the writer wrote (size
+        and sha256 of the bytes written), or local paths (hashed here)."""
+        written = [p if isinstance(p, Written) else Written(Path(p), os.path.getsize(p), file_sha256(p))
+                   for p in parts]
         record = {
             "unit_id": unit_id,
-            "parts": [{"path": str(Path(p).relative_to(self.output)), "bytes": Path(p).stat().st_size,
-                       "sha256": file_sha256(p)} for p in parts],
+            "parts": [{"path": self.layout.relative(w.path), "bytes": w.bytes, "sha256": w.sha256} for w in written],
             **fields,
         }
         atomic_write(self.layout.unit_record(unit_id), json.dumps(record, indent=1).encode())
         return record
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(store: Store, path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(store.read_bytes(path))
     except (OSError, ValueError):
+        return None
+
+
+def _parse_json(data: bytes | None) -> Any:
+    try:
+        return json.loads(data) if data is not None else None
+    except ValueError:
         return None
 
 

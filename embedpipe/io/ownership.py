@@ -10,19 +10,23 @@ Inside a marked folder, cleanup and ``--overwrite`` remove only the names embedp
 (``OWNED``), never a symbolic link's target: an output whose own folders (``vectors/``,
 ``_manifest/``, ...) are links is refused, since cleaning it would reach outside the output.
 ``/``, the home folder and its parents are never an output.
+
+An output at a URL (an object store) follows the same rules through its store: a prefix holding objects
+without the marker or a manifest is refused as a foreign folder is; the checks of links, ``/`` and the
+home folder are local ones.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
 from embedpipe.errors import BadJob, OutputRefused
 from embedpipe.io.layout import (CLEANED_DIRS, LOCK, MANIFEST, MARKER, OWNED, TEMPORARY, VERSIONED_OWNED, VERSIONS,
                                   OutputLayout, atomic_write_bytes)
+from embedpipe.io.store import TreePath, tree_path
 
 __all__ = ["CLEANED_DIRS", "MANIFEST", "MARKER", "OWNED", "TEMPORARY", "VERSIONED_OWNED"]  # the layout's names
 
@@ -37,21 +41,16 @@ class OutputNotOwned(OutputRefused, ManifestMismatch):
 
 def check_output(root: str | Path) -> None:
     """Refuse an output path embedpipe must not write into; reads only, writes nothing."""
-    root = Path(root)
-    _refuse_special(root)
-    if not root.exists():
-        return
-    if not root.is_dir():
-        raise OutputNotOwned(f"output.path {root} exists and is not a folder: choose a new output.path")
-    for name in CLEANED_DIRS:
-        path = OutputLayout(root).entry(name)
-        if path.is_symlink():
-            raise OutputNotOwned(
-                f"{path} is a symbolic link (to {os.readlink(path)}): embedpipe writes and cleans only inside its "
-                f"output folder; replace the link with a real folder, or point output.path elsewhere")
+    root = tree_path(root)
+    store = OutputLayout(root).store
+    if store.local:
+        if not _check_local(Path(root)):
+            return
+    elif store.exists(root):
+        raise OutputNotOwned(f"output.path {root} is an object, not a prefix: choose a new output.path")
     if _marked(root) or _legacy_output(root):
         return
-    foreign = sorted(p.name for p in root.iterdir() if not p.name.startswith(LOCK))  # the lock's own files
+    foreign = [name for name in store.names(root) if not name.startswith(LOCK)]  # the lock's own files
     if not foreign:
         return
     shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -61,44 +60,57 @@ def check_output(root: str | Path) -> None:
         f"did not write; choose a new or empty output.path")
 
 
+def _check_local(root: Path) -> bool:
+    """The local-only checks (``/``, home, not a folder, linked folders); False when the folder does not exist."""
+    _refuse_special(root)
+    if not root.exists():
+        return False
+    if not root.is_dir():
+        raise OutputNotOwned(f"output.path {root} exists and is not a folder: choose a new output.path")
+    for name in CLEANED_DIRS:
+        path = OutputLayout(root).entry(name)
+        if path.is_symlink():
+            raise OutputNotOwned(
+                f"{path} is a symbolic link (to {os.readlink(path)}): embedpipe writes and cleans only inside its "
+                f"output folder; replace the link with a real folder, or point output.path elsewhere")
+    return True
+
+
 def claim_output(root: str | Path, *, kind: str) -> None:
     """Check the folder, create it if needed, and mark it as an embedpipe output (``kind``: run|versioned)."""
-    root = Path(root)
+    root = tree_path(root)
     check_output(root)
-    root.mkdir(parents=True, exist_ok=True)
+    OutputLayout(root).store.mkdir(root)
     if _marked(root):
         return
     marker = {"embedpipe": _version(), "kind": kind, "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     atomic_write_bytes(OutputLayout(root).marker, json.dumps(marker, indent=1).encode())
 
 
-def is_output(folder: Path) -> bool:
+def is_output(folder: TreePath) -> bool:
     """Whether ``folder`` is an embedpipe output (marked, or an earlier embedpipe's with a manifest or VALIDATED)."""
     layout = OutputLayout(folder)
-    return _marked(folder) or layout.job.is_file() or layout.validated.is_file()
+    return _marked(folder) or layout.store.exists(layout.job) or layout.store.exists(layout.validated)
 
 
-def remove_owned(root: Path, names: tuple[str, ...]) -> None:
+def remove_owned(root: TreePath, names: tuple[str, ...]) -> None:
     """Remove these top-level entries of a marked output: a link itself, never what it points to."""
+    layout = OutputLayout(root)
     for name in names:
-        path = OutputLayout(root).entry(name)
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-        elif path.is_dir():
-            shutil.rmtree(path)  # does not follow links inside the tree
+        layout.store.remove_tree(layout.entry(name))
 
 
-def sweep_temporaries(root: Path) -> list[Path]:
+def sweep_temporaries(root: TreePath) -> list:
     """Remove embedpipe's leftover temporary files (a killed write's ``.tmp``) from an output's folders."""
-    removed = []
-    for folder in (root, *(OutputLayout(root).entry(name) for name in CLEANED_DIRS if name != VERSIONS)):
-        if not folder.is_dir() or folder.is_symlink():
+    layout = OutputLayout(root)
+    store = layout.store
+    doomed = []
+    for folder in (layout.root, *(layout.entry(name) for name in CLEANED_DIRS if name != VERSIONS)):
+        if store.local and Path(folder).is_symlink():
             continue
-        for path in folder.iterdir():
-            if TEMPORARY.match(path.name) and path.is_file() and not path.is_symlink():
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    return removed
+        doomed += [folder / name for name in store.list(folder) if TEMPORARY.match(name)]
+    store.remove_many(doomed)
+    return doomed
 
 
 def _version() -> str:
@@ -110,19 +122,18 @@ def _version() -> str:
         return "unknown"
 
 
-def _marked(root: Path) -> bool:
-    marker = OutputLayout(root).marker
-    return marker.is_file() and not marker.is_symlink()
+def _marked(root: TreePath) -> bool:
+    layout = OutputLayout(root)
+    return layout.store.exists(layout.marker)  # a plain file: never a link
 
 
-def _legacy_output(root: Path) -> bool:
+def _legacy_output(root: TreePath) -> bool:
     """An output written by embedpipe before the marker existed: its manifest, or a version folder of its own."""
     layout = OutputLayout(root)
-    if layout.job.is_file():
+    if layout.store.exists(layout.job):
         return True
-    versions = layout.versions
-    return layout.current.is_file() and versions.is_dir() and any(
-        p.is_dir() and is_output(p) for p in versions.iterdir())
+    return layout.store.exists(layout.current) and any(
+        is_output(layout.versions / name) for name in layout.store.names(layout.versions))
 
 
 def _refuse_special(root: Path) -> None:

@@ -1,14 +1,15 @@
-"""Write one unit's vectors as a Parquet part: temp name, then an atomic rename."""
+"""Write one unit's vectors as a Parquet part: temp name, then an atomic rename (object stores: one PUT under
+an attempt-unique name; the unit's manifest record, written after it, is the commit point)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from embedpipe.io.layout import OutputLayout, atomic_write_table
+from embedpipe.io.store import TreePath, Written, attempt_token
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantization_record, quantize, stored_type
 
 
@@ -34,13 +35,14 @@ def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(record).encode()})
 
 
-def write_table_atomic(table: pa.Table, path: Path) -> Path:
+def write_table_atomic(table: pa.Table, path: TreePath) -> TreePath:
     """Write to a temporary name in the same folder, then rename: readers never see half a file."""
     return atomic_write_table(table, path)
 
 
 class ParquetPartWriter:
-    """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit.
+    """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit
+    (``part-<unit id>.<attempt>.parquet`` on an object store, a new name for every attempt).
 
     int8/uint8 need the run's ``calibration`` (the same on every worker: the driver fits it)."""
 
@@ -48,13 +50,14 @@ class ParquetPartWriter:
                  dim: int | None = None):
         self.layout = OutputLayout(output_path)
         self.dir = self.layout.vectors
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.layout.store.mkdir(self.dir)
         self.dtype, self.calibration, self.dim = dtype, calibration, dim
         if stored_type(dtype).calibrated and calibration is None:  # fail at startup, not at the first unit
             raise ValueError(f"output.dtype {dtype!r} needs the run's calibration ranges")
 
-    def path_for(self, unit_id: str) -> Path:
-        return self.layout.part(unit_id)
+    def path_for(self, unit_id: str) -> TreePath:
+        """Where this attempt writes the unit's part (attempt-unique where the store cannot rename)."""
+        return self.layout.part(unit_id, attempt_token() if self.layout.store.unique_parts else None)
 
     def store(self, vectors: np.ndarray) -> np.ndarray:
         """Float vectors [N, D] -> the stored values [N, W] this writer writes."""
@@ -63,8 +66,13 @@ class ParquetPartWriter:
     def __call__(self, unit_id: str, ids: pa.Array, vectors: np.ndarray,
                  extra: dict[str, pa.Array] | None = None, *, stored: bool = False) -> str:
         """``vectors``: float [N, D], or stored values [N, W] from ``store`` (and reused rows) with ``stored``."""
+        return str(self.write(unit_id, ids, vectors, extra, stored=stored).path)
+
+    def write(self, unit_id: str, ids: pa.Array, vectors: np.ndarray,
+              extra: dict[str, pa.Array] | None = None, *, stored: bool = False) -> Written:
+        """As ``__call__``; returns the part as written (path, size, sha256 of the bytes) for its manifest record."""
         table = vectors_table(ids, vectors, dtype=self.dtype, calibration=self.calibration, stored=stored,
                               dim=self.dim)
         for name, column in (extra or {}).items():  # e.g. content_hash of incremental runs
             table = table.append_column(name, column)
-        return str(write_table_atomic(table, self.path_for(unit_id)))
+        return self.layout.store.write_table(table, self.path_for(unit_id))
