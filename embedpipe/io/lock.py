@@ -57,7 +57,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from embedpipe.errors import OutputRefused, StorageError
 from embedpipe.io.conditional import ConditionUnsupported, conditional_object
-from embedpipe.io.fs import filesystem, is_url, join
+from embedpipe.io.fs import filesystem, is_url
 from embedpipe.io.layout import LOCK, OutputLayout
 
 LOCK_NAME = LOCK  # the layout's name of the lock file
@@ -157,9 +157,10 @@ def _stop_main_thread() -> bool:
 
 def _backend_for(output: str | Path):
     """The lock of ``output``'s kind: a lock file (local paths, file:// URLs) or a lock object (s3://)."""
-    if not is_url(output):
-        return _FileLock(OutputLayout(output).lock)
-    url = join(str(output), LOCK_NAME)
+    url = OutputLayout(output).lock  # a Path, or a Url for URL roots
+    if not is_url(str(url)):
+        return _FileLock(url)
+    url = str(url)
     fs, inner = filesystem(url)
     if isinstance(fs, LocalFileSystem):
         return _FileLock(Path(inner))
