@@ -96,7 +96,8 @@ def validate(job_file: JobFile, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def search(output_dir: Annotated[Path, typer.Argument(help="A job's output.path (holding index/).", show_default=False)],
+def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (holding index/): a folder or a URL "
+                                                          "(s3://...).", show_default=False)],
            query: Annotated[str, typer.Argument(help="The query text.", show_default=False)],
            k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10,
            prompt: Annotated[Optional[str], typer.Option(

@@ -35,8 +35,10 @@ class RunFailed(RunError, RuntimeError):
 
 
 def current_version(root: str | Path) -> str | None:
-    path = OutputLayout(root).current
-    return path.read_text().strip() or None if path.is_file() else None
+    layout = OutputLayout(root)
+    if not (Path(layout.current).is_file() if layout.store.local else layout.store.exists(layout.current)):
+        return None
+    return layout.store.read_bytes(layout.current).decode().strip() or None
 
 
 def current_path(root: str | Path) -> Path | None:

@@ -14,7 +14,9 @@ import numpy as np
 
 from embedpipe.errors import BadJob
 from embedpipe.index.ids import IdLookup
+from embedpipe.index.local_copy import local_copy
 from embedpipe.io.layout import IndexLayout, OutputLayout
+from embedpipe.io.store import store_for, tree_path
 
 
 class IndexNotFound(BadJob, FileNotFoundError):
@@ -46,13 +48,18 @@ class OpenedIndex:
 
         from embedpipe.versions import current_path
 
-        root = Path(output_path)
+        root = tree_path(output_path)
         root = current_path(root) or root  # versioned outputs: the version CURRENT points at
-        files = IndexLayout(root) if IndexLayout(root).meta.is_file() else OutputLayout(root).index
+        files = IndexLayout(root) if _is_file(IndexLayout(root).meta) else OutputLayout(root).index
         self.dir = files.dir
-        if not files.meta.is_file():
+        if not _is_file(files.meta):
             raise IndexNotFound(f"no index at {self.dir}: run a job with output.format: faiss (or both) "
                                 f"and pass its output.path")
+        self.downloaded: tuple[str, ...] = ()  # object stores: the files this open fetched into the local cache
+        if not files.store.local:  # FAISS reads local files: open a local copy, cached by the index's identity
+            copy = local_copy(files)
+            files, self.downloaded = copy.files, copy.downloaded
+        self.local_dir = files.dir
         self.meta = json.loads(files.meta.read_text())
         self.index = faiss.read_index(str(files.faiss), faiss.IO_FLAG_ONDISK_SAME_DIR)
         space = faiss.ParameterSpace()
@@ -117,8 +124,14 @@ class OpenedIndex:
         return found
 
 
+def _is_file(path) -> bool:
+    """A file at ``path``: a local file (links followed) or an object."""
+    return Path(path).is_file() if store_for(path).local else store_for(path).exists(path)
+
+
 def open_index(output_path: str | Path, *, query_prompt: str | None = None) -> OpenedIndex:
-    """Open the index under ``<output_path>/index`` (or an index directory itself).
+    """Open the index under ``<output_path>/index`` (or an index directory itself); ``output_path`` may be a URL
+    (``s3://bucket/out``): the index files are then read from a local copy in the cache (embedpipe.index.local_copy).
 
     ``query_prompt``: put before every query (e.g. ``"query: "`` for E5 models); None: the model's
     own ``query`` prompt when its sentence-transformers config names one, else none."""

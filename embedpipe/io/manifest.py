@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from embedpipe.io.cache import cache_dir
 from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
 from embedpipe.io.store import Store, Written
 from embedpipe.io.ownership import ManifestMismatch, claim_output, remove_owned
@@ -63,8 +64,7 @@ class HashCache:
     MAX_ENTRIES = 20_000
 
     def __init__(self, path: Path | None = None):
-        base = os.environ.get("EMBEDPIPE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "embedpipe"
-        self.path = Path(path or Path(base) / "sha256.json").expanduser()
+        self.path = Path(path or cache_dir() / "sha256.json").expanduser()
         self.hashed = 0  # files hashed by this object (not found in the cache)
         try:
             self.entries: dict[str, dict] = json.loads(self.path.read_text())

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from embedpipe.io.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 # square matmul sizes probed and the seconds of timed repeats per size: the fastest repeat wins
@@ -79,8 +81,7 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
 
 
 def cache_path() -> Path:
-    root = os.environ.get("EMBEDPIPE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedpipe"
-    return Path(root) / "peak_flops.json"
+    return cache_dir() / "peak_flops.json"
 
 
 def cached_peak(info: DeviceInfo, dtype: str) -> float:
