@@ -117,8 +117,8 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
 
 @app.command()
 def report(
-    runs: Annotated[list[Path], typer.Argument(
-        help="A finished output folder (its report and its runs), or one run's folder OUTPUT/runs/<run id>; "
+    runs: Annotated[list[str], typer.Argument(
+        help="A finished output folder or URL (its report and its runs), or one run's folder OUTPUT/runs/<run id>; "
              "two folders: compare them.", show_default=False)],
     project_rows: Annotated[Optional[float], typer.Option(
         help="Also show what a corpus of this many rows would take and cost at the run's rates (e.g. 1e9).",
@@ -126,12 +126,18 @@ def report(
 ) -> None:
     """Re-render a finished output's report (table, report.md, report.png) with the runs that produced it, or one
     run's (OUTPUT/runs/<run id>), or compare two side by side."""
+    from embedpipe.io.store import tree_path
     from embedpipe.report.render import load_report, render_comparison, render_table
 
+    runs = [tree_path(run) for run in runs]  # a URL stays a URL (Path would collapse its "//")
     if len(runs) > 2:
         raise _fail(ValueError("report takes one output folder, or two to compare"), EXIT_BAD_JOB)
+    from embedpipe.errors import EmbedpipeError
+
     try:
         reports = [load_report(run) for run in runs]
+    except EmbedpipeError as exc:  # a store's error (exit 3)
+        raise _fail(exc, exc.exit_code) from None
     except (OSError, ValueError) as exc:
         raise _fail(exc, EXIT_BAD_JOB) from None
     if len(reports) == 2:
@@ -140,7 +146,8 @@ def report(
     from embedpipe.report.outputs import write_renderings
 
     folder = runs[0].parent if runs[0].suffix == ".json" else runs[0]
-    paths = write_renderings(folder, reports[0], project_rows=project_rows)
+    with _exit_codes():
+        paths = write_renderings(folder, reports[0], project_rows=project_rows)
     typer.echo(render_table(reports[0], project_rows=project_rows))
     typer.echo(f"report: {paths['markdown']}, {paths['plot']}")
 

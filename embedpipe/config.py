@@ -141,8 +141,9 @@ class BatchingConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    path: str = opt(doc="Output directory (a local or mounted path): vectors land in `<path>/vectors/`, the report in "
-                        "`<path>/report.json`.", path=True)
+    path: str = opt(doc="Output directory: a local or mounted path, or an fsspec URL (`s3://bucket/out`, `gs://`, "
+                        "`az://`) with the same layout and guarantees: vectors land in `<path>/vectors/`, the report "
+                        "in `<path>/report.json`.", path=True)
     storage_options: dict[str, Any] = opt({}, STORAGE_DOC.format(section="output"))
     lock: Literal["auto", "none"] = opt(
         "auto", "auto: one live run per output path, kept by a lock with a heartbeat (a lock file; on s3:// a lock "
@@ -174,9 +175,6 @@ class OutputConfig:
     calibration_seed: int = opt(0, "Seed of the calibration sample.")
 
     def validate(self) -> None:
-        if "://" in self.path:  # the manifest, lock and versions use local file operations (rename, O_EXCL)
-            raise JobError("output.path", f"{self.path!r} is a URL; outputs need a local or mounted filesystem",
-                           "write to a local path (or a mounted bucket) and copy the folder afterwards")
         _positive(self, "output", "index_memory_gb")
         if self.dim is not None:
             _positive(self, "output", "dim")

@@ -36,6 +36,7 @@ from embedpipe.io import fs
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.quantize import stored_type
 from embedpipe.io.rows import null_id_error
+from embedpipe.io.store import TreePath, tree_path
 from embedpipe.report.flops import read_model_config
 from embedpipe.units import InputError, Unit
 
@@ -83,7 +84,7 @@ class RunPlan:
     units: list[Unit]
     duplicate_rows: int  # rows dropped by on_duplicate_id: keep_first
     model: ModelPlan
-    output: Path  # output.path (the versioned root for versioned outputs)
+    output: TreePath  # output.path (the versioned root for versioned outputs): a Path, or a Url for object stores
     index: IndexPlan | None  # None for output.format: parquet
 
     @property
@@ -103,7 +104,7 @@ def preflight(job: JobSpec) -> RunPlan:
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
     if job.output.versioned:
-        check_current(Path(job.output.path))
+        check_current(tree_path(job.output.path))
     inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
@@ -113,11 +114,14 @@ def preflight(job: JobSpec) -> RunPlan:
     if job.output.format != "parquet":
         index = plan_index(job, rows=sum(u.num_rows for u in units), model=model.index_facts())
     return RunPlan(files=inputs.files, units=units, duplicate_rows=dropped, model=model,
-                   output=Path(job.output.path), index=index)
+                   output=tree_path(job.output.path), index=index)
 
 
 def check_output_settings(output: OutputConfig) -> None:
     """output.dtype against the FAISS index, and the output.index factory string (no I/O)."""
+    if output.versioned and fs.is_url(output.path):  # TODO(objlock): CURRENT/VALIDATED/versions on object stores
+        raise JobError("output.versioned", f"versioned outputs at a URL ({output.path}) are not supported yet",
+                       "set output.versioned: false for an object-store output, or write it to a local path")
     if output.format != "parquet" and stored_type(output.dtype).quantized:
         raise JobError("output.dtype", f"{output.dtype} vectors cannot feed the FAISS index (output.format: "
                        f"{output.format}); FAISS compresses vectors itself",

@@ -72,7 +72,9 @@ def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
         problems.append(f"{report['units']['failed']} units failed")
     if report["rows"] + report["skipped_rows"] != expected_rows:
         problems.append(f"{report['rows']} rows written + {report['skipped_rows']} skipped != {expected_rows} input rows")
-    written = sum(pq.ParquetFile(p).metadata.num_rows for p in OutputLayout(version_dir).parts())
+    manifest = Manifest(version_dir)  # the recorded parts, never a listing of vectors/ (orphans are not rows)
+    written = sum(pq.ParquetFile(p).metadata.num_rows
+                  for record in manifest.done().values() for p in manifest.part_paths(record))
     if written != report["rows"]:
         problems.append(f"the vector parts hold {written} rows, the report says {report['rows']}")
     index = report.get("index") or {}

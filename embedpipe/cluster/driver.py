@@ -34,6 +34,7 @@ from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
+from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
@@ -47,11 +48,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    output_path: Path
+    output_path: TreePath  # a Path, or a Url for an object-store output
     report: dict
 
     @property
-    def vectors_path(self) -> Path:
+    def vectors_path(self) -> TreePath:
         return OutputLayout(self.output_path).vectors
 
 
@@ -102,7 +103,7 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
     """The plan's units with a finished record where the rerun will look (for versioned outputs: the
     unfinished version it resumes); None when that cannot be read."""
     try:
-        output = Path(job.output.path)
+        output = tree_path(job.output.path)
         if job.output.versioned:
             fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
             output = OutputLayout(output).version(versions.choose_version(output, fingerprint)).root
@@ -148,13 +149,13 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     folder's is its root's): the model's files and the input stamps are then read once per run."""
     started, started_at = time.perf_counter(), time.time()
     index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
-    output = Path(job.output.path)
-    output.mkdir(parents=True, exist_ok=True)
+    output = tree_path(job.output.path)
+    OutputLayout(output).store.mkdir(output)
     fingerprint = fingerprint or job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
     manifest = Manifest.open(output, fingerprint, overwrite=overwrite)
     unit_ids = {u.id for u in plan.units}
     done = {k: v for k, v in manifest.done(verify=True).items() if k in unit_ids}  # parts checked by sha256
-    manifest.clean_partials(set(done))
+    manifest.clean_partials(done)  # temporaries, unrecorded units' files, orphan parts of other attempts
     todo = [u for u in plan.units if u.id not in done]
     if done:
         log.warning("resuming %s: %d of %d units already done", output, len(done), len(plan.units))
@@ -163,6 +164,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     spans: list[UnitSpan] = []
     devices: dict[int, DeviceInfo] = {}  # slot -> the device its worker measured
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
+    finished = done  # the units with a record once the scheduler is through (this run's added below)
     if todo:
         started_ray = connect(job.cluster)
         try:
@@ -193,6 +195,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
+            finished = _finish_parts(manifest, unit_ids)
             # while Ray is up: sample, train, add (shards on this Ray's workers), merge, recall
             index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
@@ -202,9 +205,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         index_report = _index_alone(job, index_build) if index_build else None  # nothing left to embed
 
     total = Counters()
-    for record in manifest.done().values():
-        if record["unit_id"] in unit_ids:
-            total.merge(Counters.from_dict(record["counters"]))
+    for record in finished.values():  # the manifest's records: the output's totals, resumed units included
+        total.merge(Counters.from_dict(record["counters"]))
     _merge_skipped(manifest, output)
     wall_seconds = time.perf_counter() - started
     report = build_report(
@@ -242,11 +244,21 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
             ray.shutdown()
 
 
-def _merge_skipped(manifest: Manifest, output: Path) -> None:
+def _finish_parts(manifest: Manifest, unit_ids: set[str]) -> dict[str, dict]:
+    """After the last unit: the finished units' records; every part no record names (an orphan of a killed or
+    timed-out attempt) is deleted, so vectors/ holds each row once for readers of the folder itself."""
+    done = {k: v for k, v in manifest.done().items() if k in unit_ids}
+    manifest.clean_partials(done)
+    return done
+
+
+def _merge_skipped(manifest: Manifest, output: TreePath) -> None:
     """One ``skipped.parquet`` (id, reason) from the per-unit files, in unit order."""
     files = manifest.skipped_files()
-    target = OutputLayout(output).skipped
+    layout = OutputLayout(output)
     if not files:
-        target.unlink(missing_ok=True)
+        layout.store.remove(layout.skipped)
         return
-    atomic_write_table(pa.concat_tables([pq.read_table(f) for f in files]), target)
+    found = layout.store.read_many(files)
+    tables = [pq.read_table(pa.BufferReader(found[f])) for f in files if f in found]  # in unit order
+    atomic_write_table(pa.concat_tables(tables), layout.skipped)

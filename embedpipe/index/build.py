@@ -5,6 +5,10 @@
        -> merge shards in unit-id order -> exact neighbours -> recall, tune nprobe / efSearch
     -> index.faiss, index.json, holdout.parquet under <output.path>/index/
 
+The parts are the manifest's (each unit's recorded part: an orphan of a killed attempt is never read). An
+output in an object store is built in a local temporary folder (its shards added in this process) and
+uploaded, index.json last: the index there is finished once index.json exists, as it is locally.
+
 Sharded kinds (IVF without refine) are added by the workers, one shard per unit, merged by inverted
 list. Flat, HNSW, exhaustive codes and refine indexes are added by the driver from the parts in unit
 order (an HNSW graph cannot be merged from shards; a flat index is a copy). Either way one part is
@@ -17,7 +21,9 @@ import dataclasses
 import json
 import logging
 import os
+import posixpath
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
@@ -34,7 +40,8 @@ from embedpipe.index.plan import IndexPlan
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardBuilder, ShardContext, ShardResult
 from embedpipe.index.train import train_index
-from embedpipe.io.layout import OutputLayout, atomic_move, atomic_path, atomic_write_table, atomic_write_text
+from embedpipe.io.layout import IndexLayout, OutputLayout, atomic_move, atomic_path, atomic_write_table, atomic_write_text
+from embedpipe.io.manifest import Manifest
 from embedpipe.report.counters import Counters
 
 log = logging.getLogger(__name__)
@@ -80,24 +87,30 @@ class IndexBuild:
     """Built once per run by the driver (before any worker starts: the plan is checked then);
     called after every unit is embedded."""
 
-    def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part]):
-        self.job, self.plan, self.planned = job, plan, parts
+    def __init__(self, job: JobSpec, plan: IndexPlan, *, parts: list[Part], manifest: Manifest | None = None):
+        """``parts``: the planned parts, in unit order; ``manifest`` (the driver's): the parts are then the
+        ones its unit records name, else the planned files that exist (tests, notebooks)."""
+        self.job, self.plan, self.planned, self.manifest = job, plan, parts, manifest
         self.run_shards: RunShards | None = None
-        self.files = OutputLayout(job.output.path).index
-        self.dir, self.work = self.files.dir, self.files.work
+        self.target = OutputLayout(job.output.path).index  # where the finished index lives
+        self.remote = not self.target.store.local
+        self.files = self.target  # where it is built: a local temporary folder for an object store
+        self.dir, self.work = self.target.dir, self.files.work
         self.timer = Counters(stages={})  # seconds per index stage: sample, train, add, merge, tune, write
 
     @property
     def needs_workers(self) -> bool:
         """Some candidate is added as per-unit shards, by workers when the caller hands ``run_shards``."""
-        return any(spec.sharded for spec in self.plan.candidates)
+        return not self.remote and any(spec.sharded for spec in self.plan.candidates)
 
     def __call__(self, *, run_shards: RunShards | None = None) -> dict:
         """Build (or keep the index an earlier run built from these same parts); the report section.
         ``run_shards`` runs the shard tasks on workers (the driver's, on the Ray it already connected);
         None adds the shards in this process (tests, notebooks)."""
         started = time.perf_counter()
-        self.parts = existing_parts(self.planned)
+        recorded = None if self.manifest is None else {
+            unit: str(self.manifest.part_paths(record)[0]) for unit, record in self.manifest.done().items()}
+        self.parts = existing_parts(self.planned, recorded=recorded)
         missing = len(self.planned) - len(self.parts)
         if missing:
             log.warning("index: %d of %d units have no vector part (failed units); the index leaves them out",
@@ -108,8 +121,11 @@ class IndexBuild:
             return previous
         self.plan = dataclasses.replace(self.plan, rows=sum(p.rows for p in self.parts))
         self.k = min(K, self.plan.rows - 1)
-        self.run_shards = run_shards
-        self.files.meta.unlink(missing_ok=True)  # not finished until written again
+        self.run_shards = None if self.remote else run_shards  # object stores: shards in this process's temp
+        self.target.store.remove(self.target.meta)  # not finished until written again
+        if self.remote:
+            self.files = IndexLayout(tempfile.mkdtemp(prefix="embedpipe-index-"))
+            self.work = self.files.work
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True, exist_ok=True)
         with self.timer.time("sample"):
@@ -134,17 +150,36 @@ class IndexBuild:
         report["stages"] = {k: round(v, 3) for k, v in self.timer.stages.items()}
         self._write_meta(report)
         shutil.rmtree(self.work, ignore_errors=True)
+        if self.remote:
+            self._upload(on_disk=report["on_disk"])
         return report
 
+    def _upload(self, *, on_disk: bool) -> None:
+        """The finished files from the local build folder to the store, index.json last; the folder removed."""
+        built, target, store = self.files, self.target, self.target.store
+        try:
+            for name in ("ids", "holdout", "ivfdata", "faiss"):
+                local = getattr(built, name)
+                if os.path.exists(local):
+                    store.put_file(local, getattr(target, name))
+            if not on_disk:
+                store.remove(target.ivfdata)
+            store.put_file(built.meta, target.meta)
+        finally:
+            shutil.rmtree(built.dir, ignore_errors=True)
+            self.files = target
+
     def _parts_fingerprint(self) -> list:
+        if self.remote:  # an attempt-unique name is written once, by one PUT: it names the part's content
+            return [[p.unit_id, p.rows, posixpath.basename(p.path)] for p in self.parts]
         return [[p.unit_id, p.rows, os.path.getsize(p.path), os.stat(p.path).st_mtime_ns] for p in self.parts]
 
     def _finished(self) -> dict | None:
         """The report of an index built from exactly these parts by this same job, if there is one."""
-        meta_path = self.files.meta
-        if not (meta_path.is_file() and self.files.faiss.is_file()):
+        meta_path, store = self.target.meta, self.target.store
+        if not (store.exists(meta_path) and store.exists(self.target.faiss)):
             return None
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(store.read_bytes(meta_path))
         same = meta.get("parts") == self._parts_fingerprint() and meta.get("job") == self.job.record()
         return meta.get("report") if same else None
 
@@ -308,5 +343,6 @@ def plan_index_build(job: JobSpec, units: list, plan: IndexPlan | None) -> Index
     when the job writes no index."""
     if plan is None:
         return None
-    layout = OutputLayout(job.output.path)  # where ParquetPartWriter puts each unit's part
-    return IndexBuild(job, plan, parts=[Part(u.id, str(layout.part(u.id)), u.num_rows) for u in units])
+    layout = OutputLayout(job.output.path)  # where ParquetPartWriter puts each unit's part (the record names it)
+    return IndexBuild(job, plan, parts=[Part(u.id, str(layout.part(u.id)), u.num_rows) for u in units],
+                      manifest=Manifest(job.output.path))

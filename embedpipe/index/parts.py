@@ -13,6 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from embedpipe.io.store import store_for, tree_path
+
 
 @dataclass(frozen=True)
 class Part:
@@ -39,15 +41,43 @@ class Part:
         return f"index shard of unit {self.unit_id} ({self.path})"
 
 
-def existing_parts(planned: list[Part]) -> list[Part]:
-    """The planned parts that exist, with the rows they hold (rows skipped by on_bad_row are not there)."""
-    return [Part(p.unit_id, p.path, pq.ParquetFile(p.path).metadata.num_rows)
-            for p in planned if Path(p.path).is_file()]
+def existing_parts(planned: list[Part], *, recorded: dict[str, str] | None = None) -> list[Part]:
+    """The planned parts that exist, with the rows they hold (rows skipped by on_bad_row are not there).
+
+    ``recorded`` (the driver's: unit id -> the part its manifest record names) decides which exist: a part
+    that no record names (an orphan of a killed attempt) is never read, and the folder is not listed."""
+    if recorded is not None:
+        planned = [Part(p.unit_id, recorded[p.unit_id], p.rows) for p in planned if p.unit_id in recorded]
+    else:
+        planned = [p for p in planned if Path(p.path).is_file()]
+    return [Part(p.unit_id, p.path, _num_rows(p.path)) for p in planned]
+
+
+def _num_rows(path: str) -> int:
+    source = store_for(path).arrow_source(tree_path(path))  # object stores: the footer by ranged reads
+    try:
+        return pq.ParquetFile(source).metadata.num_rows
+    finally:
+        _close(source)
+
+
+def _read_table(path: str | Path, columns: list[str]) -> pa.Table:
+    """A part's columns, local or in an object store (through the output's store and its options)."""
+    source = store_for(path).arrow_source(tree_path(path))
+    try:
+        return pq.read_table(source, columns=columns)
+    finally:
+        _close(source)
+
+
+def _close(source) -> None:
+    if hasattr(source, "close"):
+        source.close()
 
 
 def read_vectors(path: str | Path) -> tuple[pa.Array, np.ndarray]:
     """A part's ids (type kept) and vectors [N, D] float32."""
-    table = pq.read_table(path, columns=["id", "embedding"])
+    table = _read_table(path, columns=["id", "embedding"])
     emb = table.column("embedding").combine_chunks()
     dim = emb.type.list_size
     flat = emb.flatten().to_numpy(zero_copy_only=False)
@@ -55,7 +85,7 @@ def read_vectors(path: str | Path) -> tuple[pa.Array, np.ndarray]:
 
 
 def read_ids(path: str | Path) -> pa.Array:
-    return pq.read_table(path, columns=["id"]).column("id").combine_chunks()
+    return _read_table(path, columns=["id"]).column("id").combine_chunks()
 
 
 @dataclass

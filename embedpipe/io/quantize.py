@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from embedpipe.io.layout import QUANTIZATION, OutputLayout
+from embedpipe.io.store import store_for, tree_path
 
 METADATA_KEY = b"embedpipe.quantization"  # Parquet schema metadata key of every part
 RECORD = QUANTIZATION  # the same record, once per output folder (the layout's name)
@@ -126,6 +127,8 @@ def read_record(path: str | Path | None) -> dict | None:
     None when there is none."""
     if path is None:
         return None
-    path = Path(path)
-    path = OutputLayout(path).quantization if path.is_dir() else path
-    return json.loads(path.read_text()) if path.is_file() else None
+    path = tree_path(path)
+    store = store_for(path)
+    folder = Path(path).is_dir() if store.local else path.suffix != ".json"
+    path = OutputLayout(path).quantization if folder else path
+    return json.loads(store.read_bytes(path)) if store.exists(path) else None

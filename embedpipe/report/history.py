@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime, timezone
-from pathlib import Path
 
 from embedpipe.io.layout import RUNS, OutputLayout
+from embedpipe.io.store import Store, TreePath, store_for
 from embedpipe.report.counters import Counters
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import write_report
@@ -30,17 +30,18 @@ OUTPUT_KEYS = ("job", "rows", "tokens", "padded_tokens", "truncated_rows", "skip
                "padding_efficiency", "units", "stages", "index", "incremental", "version")
 
 
-def new_run_id(runs: Path, *, started_at: float) -> str:
+def new_run_id(runs: TreePath, *, started_at: float) -> str:
     """The run's UTC start second, with ``-1``, ``-2``... when a run of that second exists."""
     base = datetime.fromtimestamp(started_at, timezone.utc).strftime(RUN_ID_FORMAT)
+    taken = set(store_for(runs).names(runs))
     suffix, candidate = 0, base
-    while (runs / candidate).exists():
+    while candidate in taken:
         suffix += 1
         candidate = f"{base}-{suffix}"
     return candidate
 
 
-def record_run(output: Path, report: dict, *, started_at: float, this_run: Counters) -> dict:
+def record_run(output: TreePath, report: dict, *, started_at: float, this_run: Counters) -> dict:
     """Write the run's report under runs/<run id>/, then the output's report from it; returns the output's."""
     layout = OutputLayout(output)
     run_id = new_run_id(layout.runs, started_at=started_at)
@@ -48,10 +49,10 @@ def record_run(output: Path, report: dict, *, started_at: float, this_run: Count
                              "started": datetime.fromtimestamp(started_at, timezone.utc).isoformat(timespec="seconds"),
                              "rows_encoded": this_run.rows - this_run.reused_rows, "tokens_encoded": this_run.tokens}}
     folder = layout.run(run_id).root
-    folder.mkdir(parents=True)
+    layout.store.mkdir(folder)
     write_report(folder, run)
     write_renderings(folder, run)
-    previous = None if run["workers"] else _read(layout.report_json)
+    previous = None if run["workers"] else _read(layout.store, layout.report_json)
     whole = output_report(run, previous=previous, runs=list_runs(output))
     write_report(output, whole)
     write_renderings(output, whole)
@@ -65,10 +66,12 @@ def output_report(run: dict, *, previous: dict | None, runs: list[dict]) -> dict
     return {**base, "runs": runs, "output": _sums(runs)}
 
 
-def list_runs(output: Path) -> list[dict]:
+def list_runs(output: TreePath) -> list[dict]:
     """One line per run under runs/, oldest first: what it encoded, in what time, at what cost."""
-    folder = OutputLayout(output).runs
-    found = [_read(OutputLayout(p).report_json) for p in sorted(folder.iterdir()) if p.is_dir()] if folder.is_dir() else []
+    layout = OutputLayout(output)
+    reports = [layout.run(name).report_json for name in layout.store.names(layout.runs)]
+    read = layout.store.read_many(reports)  # a name that is no run folder has no report.json: left out
+    found = [_parse(read[path], path) for path in reports if path in read]
     entries = [_entry(r) for r in found if r is not None and isinstance(r.get("run"), dict)]
     return sorted(entries, key=lambda e: (e["started"], e["run_id"]))
 
@@ -101,13 +104,22 @@ def _sums(runs: list[dict]) -> dict:
     }
 
 
-def _read(path: Path) -> dict | None:
+def _read(store: Store, path: TreePath) -> dict | None:
     """A report.json, or None when there is none or it cannot be read (then it is not carried)."""
     try:
-        report = json.loads(path.read_text())
+        data = store.read_bytes(path)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        log.warning("%s is unreadable and is not carried into the new report: %s", path, exc)
+        return None
+    return _parse(data, path)
+
+
+def _parse(data: bytes, path: TreePath) -> dict | None:
+    try:
+        report = json.loads(data)
+    except ValueError as exc:
         log.warning("%s is unreadable and is not carried into the new report: %s", path, exc)
         return None
     return report if isinstance(report, dict) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from embedpipe.io.layout import atomic_path
+from embedpipe.io.store import tree_path
 from embedpipe.report.render import headline, stage_names
 
 
@@ -54,7 +55,7 @@ def build_figure(report: dict):
 
 
 def write_plot(report: dict, path: str | Path) -> Path:
-    path = Path(path)
+    path = tree_path(path)
     with atomic_path(path) as tmp:
         build_figure(report).savefig(tmp, format="png", dpi=100)
     return path

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from embedpipe.io.layout import REPORT_PNG, OutputLayout
+from embedpipe.io.store import store_for, tree_path
 from embedpipe.report.cost import project
 
 UNKNOWN = "unknown"
@@ -369,8 +370,9 @@ def _md_row(cells: list[str]) -> str:
 
 def load_report(output_dir: str | Path) -> dict:
     """report.json of a finished output or of one of its runs (``OUTPUT/runs/<run id>``), or the file itself."""
-    path = Path(output_dir)
+    path = tree_path(output_dir)
     path = path if path.suffix == ".json" else OutputLayout(path).report_json
-    if not path.is_file():
+    store = store_for(path)
+    if not store.exists(path):
         raise FileNotFoundError(f"{path} does not exist: pass the output.path of a finished run")
-    return json.loads(path.read_text())
+    return json.loads(store.read_bytes(path))
