@@ -119,9 +119,6 @@ def preflight(job: JobSpec) -> RunPlan:
 
 def check_output_settings(output: OutputConfig) -> None:
     """output.dtype against the FAISS index, and the output.index factory string (no I/O)."""
-    if output.versioned and fs.is_url(output.path):  # TODO(objlock): CURRENT/VALIDATED/versions on object stores
-        raise JobError("output.versioned", f"versioned outputs at a URL ({output.path}) are not supported yet",
-                       "set output.versioned: false for an object-store output, or write it to a local path")
     if output.format != "parquet" and stored_type(output.dtype).quantized:
         raise JobError("output.dtype", f"{output.dtype} vectors cannot feed the FAISS index (output.format: "
                        f"{output.format}); FAISS compresses vectors itself",
@@ -210,26 +207,26 @@ def check_model_type(config_path: Path) -> dict:
     return config
 
 
-def check_current(root: Path) -> None:
+def check_current(root: TreePath) -> None:
     """A versioned output's CURRENT (written by a run, or by hand for a rollback) must name a validated version."""
     from embedpipe.io.layout import OutputLayout
-    from embedpipe.versions import current_version
+    from embedpipe.versions import current_version, is_validated, version_names
 
     run_id = current_version(root)
     if run_id is None:
         return  # first run, or no CURRENT: a new version is made
     layout = OutputLayout(root)
-    version = layout.version(run_id)
-    folder = version.root
-    if Path(run_id).name == run_id and version.validated.is_file():
+    names = version_names(root)
+    if Path(run_id).name == run_id and is_validated(root, run_id):
         return
-    problem = "does not exist" if not folder.is_dir() else "is not VALIDATED (an unfinished or failed run)"
-    folders = sorted((p for p in layout.versions.iterdir() if p.is_dir()), reverse=True) \
-        if layout.versions.is_dir() else []
-    good = [p.name for p in folders if OutputLayout(p).validated.is_file()]
+    folder = layout.version(run_id).root
+    problem = "does not exist" if run_id not in names else "is not VALIDATED (an unfinished or failed run)"
+    good = [name for name in names if is_validated(root, name)]
     listed = ", ".join(good[:MAX_LISTED]) + (f" and {len(good) - MAX_LISTED} older" if len(good) > MAX_LISTED else "")
-    fix = (f"write one of them into CURRENT (echo {good[0]} > CURRENT.tmp && mv CURRENT.tmp CURRENT), or remove "
-           f"CURRENT to build a new version from scratch") if good else "remove CURRENT to build a new version from scratch"
+    write = (f"echo {good[0]} > CURRENT.tmp && mv CURRENT.tmp CURRENT" if layout.store.local
+             else f"put the one line {good[0]} into the object {layout.current}") if good else ""
+    fix = (f"write one of them into CURRENT ({write}), or remove CURRENT to build a new version from scratch"
+           if good else "remove CURRENT to build a new version from scratch")
     raise JobError("output.path", f"{layout.current} names run id {run_id!r}, but {folder} {problem}; validated "
                    f"versions: {listed or 'none'}", fix)
 

@@ -7,7 +7,8 @@
 
 A run writes its own version folder; only after it finished and validated (every unit done,
 row counts add up, index recall reached when there is an index) is ``CURRENT`` replaced by an
-atomic rename. A killed or failed run leaves ``CURRENT`` where it was; rerunning the same job
+atomic rename (on an object store, ``s3://``: one PUT of the small ``CURRENT`` object, which readers
+see whole, old or new, never half; ``VALIDATED`` likewise, written before it). A killed or failed run leaves ``CURRENT`` where it was; rerunning the same job
 resumes the unfinished version. ``output.keep_versions`` prunes older validated versions and
 abandoned unfinished ones, never the current one.
 """
@@ -15,7 +16,6 @@ abandoned unfinished ones, never the current one.
 from __future__ import annotations
 
 import json
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from embedpipe.errors import RunError
 from embedpipe.io.layout import CURRENT, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes
 from embedpipe.io.manifest import Manifest, vector_salt
 from embedpipe.io.ownership import is_output, remove_owned
+from embedpipe.io.store import TreePath, store_for, tree_path
 
 __all__ = ["CURRENT", "VALIDATED", "VERSIONS"]  # the layout's names, imported from here by earlier callers
 
@@ -36,36 +37,49 @@ class RunFailed(RunError, RuntimeError):
 
 def current_version(root: str | Path) -> str | None:
     layout = OutputLayout(root)
-    if not (Path(layout.current).is_file() if layout.store.local else layout.store.exists(layout.current)):
+    if not layout.store.exists(layout.current):
         return None
     return layout.store.read_bytes(layout.current).decode().strip() or None
 
 
-def current_path(root: str | Path) -> Path | None:
+def current_path(root: str | Path) -> TreePath | None:
     """The folder readers should use: the current version, or ``root`` itself when unversioned."""
     version = current_version(root)
     return OutputLayout(root).version(version).root if version else None
 
 
-def choose_version(root: Path, fingerprint: dict) -> str:
+def version_names(root: str | Path) -> list[str]:
+    """The names under versions/, newest first (one listing; object stores list prefixes)."""
+    layout = OutputLayout(root)
+    if layout.store.local:
+        folder = Path(layout.versions)
+        return sorted((p.name for p in folder.iterdir() if p.is_dir()), reverse=True) if folder.is_dir() else []
+    return sorted(layout.store.names(layout.versions), reverse=True)
+
+
+def is_validated(root: str | Path, version: str) -> bool:
+    layout = OutputLayout(root).version(version)
+    return layout.store.exists(layout.validated)
+
+
+def choose_version(root: str | Path, fingerprint: dict) -> str:
     """Resume the newest unfinished version of this same job, else start a new run id."""
-    versions = OutputLayout(root).versions
     current = current_version(root)
-    unfinished = sorted((p for p in versions.iterdir() if p.is_dir() and p.name != current
-                         and not OutputLayout(p).validated.exists()), reverse=True) if versions.is_dir() else []
-    for folder in unfinished[:1]:
-        job_file = OutputLayout(folder).job
-        if job_file.is_file() and json.loads(job_file.read_text()).get("sha256") == fingerprint["sha256"]:
-            return folder.name
+    names = version_names(root)
+    unfinished = [name for name in names if name != current and not is_validated(root, name)]
+    for name in unfinished[:1]:
+        job = _read_json(OutputLayout(root).version(name).job)
+        if job is not None and job.get("sha256") == fingerprint["sha256"]:
+            return name
     run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     suffix, candidate = 0, run_id
-    while (versions / candidate).exists():
+    while candidate in names:
         suffix += 1
         candidate = f"{run_id}-{suffix}"
     return candidate
 
 
-def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
+def validate(version_dir: str | Path, report: dict, *, expected_rows: int) -> None:
     """Every unit done, every input row accounted for and present, index recall reached."""
     problems = []
     if report["units"]["failed"]:
@@ -73,7 +87,7 @@ def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
     if report["rows"] + report["skipped_rows"] != expected_rows:
         problems.append(f"{report['rows']} rows written + {report['skipped_rows']} skipped != {expected_rows} input rows")
     manifest = Manifest(version_dir)  # the recorded parts, never a listing of vectors/ (orphans are not rows)
-    written = sum(pq.ParquetFile(p).metadata.num_rows
+    written = sum(pq.ParquetFile(manifest.store.arrow_source(p)).metadata.num_rows
                   for record in manifest.done().values() for p in manifest.part_paths(record))
     if written != report["rows"]:
         problems.append(f"the vector parts hold {written} rows, the report says {report['rows']}")
@@ -81,63 +95,66 @@ def validate(version_dir: Path, report: dict, *, expected_rows: int) -> None:
     if index.get("target_reached") is False:
         problems.append(f"the index reached recall@10 {index.get('recall_at_10')} below output.target_recall")
     if problems:
-        raise RunFailed(f"{version_dir.name} did not validate ({'; '.join(problems)}): CURRENT still points at "
-                        f"the previous version; fix the cause and rerun the same command to resume")
+        raise RunFailed(f"{tree_path(version_dir).name} did not validate ({'; '.join(problems)}): CURRENT still "
+                        f"points at the previous version; fix the cause and rerun the same command to resume")
 
 
-def promote(root: Path, version: str) -> None:
-    """Mark the version validated, then point CURRENT at it (one atomic rename)."""
+def promote(root: str | Path, version: str) -> None:
+    """Mark the version validated, then point CURRENT at it: each one atomic write (a rename locally; on an
+    object store one PUT of a small object, which readers see whole or not at all)."""
     layout = OutputLayout(root)
     atomic_write_bytes(layout.version(version).validated, b"")
     atomic_write_bytes(layout.current, f"{version}\n".encode())
 
 
-def prune(root: Path, *, keep: int | None) -> list[str]:
+def prune(root: str | Path, *, keep: int | None) -> list[str]:
     """Remove validated versions beyond the newest ``keep`` and unfinished ones older than CURRENT."""
     if keep is None:
         return []
     current = current_version(root)
     folders = _version_folders(root)
-    validated = [p for p in folders if OutputLayout(p).validated.exists()]
+    validated = [p for p in folders if OutputLayout(p).store.exists(OutputLayout(p).validated)]
     doomed = [p for p in validated[keep:] if p.name != current]
-    doomed += [p for p in folders if not OutputLayout(p).validated.exists() and current and p.name < current]
+    doomed += [p for p in folders if p not in validated and current and p.name < current]
     for folder in doomed:
-        shutil.rmtree(folder)
+        OutputLayout(folder).store.remove_tree(folder)
     return sorted(p.name for p in doomed)
 
 
-def remove_all(root: Path) -> list[str]:
+def remove_all(root: str | Path) -> list[str]:
     """--overwrite on a versioned output: CURRENT and every version folder embedpipe made; nothing else."""
     doomed = [p.name for p in _version_folders(root)]
-    remove_owned(root, (CURRENT, *(f"{VERSIONS}/{name}" for name in doomed)))
+    remove_owned(tree_path(root), (CURRENT, *(f"{VERSIONS}/{name}" for name in doomed)))
     return doomed
 
 
-def _version_folders(root: Path) -> list[Path]:
+def _version_folders(root: str | Path) -> list[TreePath]:
     """The folders under versions/ that are embedpipe outputs, newest first (a folder someone else put there
     is never pruned or removed)."""
-    folders = OutputLayout(root).versions
-    if not folders.is_dir() or folders.is_symlink():
+    layout = OutputLayout(root)
+    if layout.store.local and Path(layout.versions).is_symlink():
         return []
-    return sorted((p for p in folders.iterdir() if p.is_dir() and not p.is_symlink() and is_output(p)), reverse=True)
+    folders = [layout.version(name).root for name in version_names(root)]
+    if layout.store.local:
+        folders = [p for p in folders if not Path(p).is_symlink()]
+    return [p for p in folders if is_output(p)]
 
 
-def previous_parts(root: Path) -> tuple[str, ...]:
+def previous_parts(root: str | Path) -> tuple[str, ...]:
     """The current version's parts its manifest records intact (size checked), for an incremental run."""
     folder = current_path(root)
     if folder is None:
         return ()
-    records = Manifest(folder).done().values()
-    return tuple(sorted(str(folder / part["path"]) for record in records for part in record["parts"]))
+    manifest = Manifest(folder)
+    return tuple(sorted(str(p) for record in manifest.done().values() for p in manifest.part_paths(record)))
 
 
-def reencode_reason(root: Path, fingerprint: dict) -> str | None:
+def reencode_reason(root: str | Path, fingerprint: dict) -> str | None:
     """Why no row of the current version can be reused (the model's files or a vector setting changed), or None."""
     folder = current_path(root)
-    job_file = OutputLayout(folder).job if folder is not None else None
-    if job_file is None or not job_file.is_file():
+    old = _read_json(OutputLayout(folder).job) if folder is not None else None
+    if old is None:
         return None
-    old = json.loads(job_file.read_text())
     if vector_salt(old) == vector_salt(fingerprint):
         return None
     if old.get("model") != fingerprint["model"]:
@@ -146,15 +163,21 @@ def reencode_reason(root: Path, fingerprint: dict) -> str | None:
     return f"a model or vector setting changed since version {folder.name}"
 
 
-def previous_vectors(root: Path, job: JobSpec) -> str | None:
+def previous_vectors(root: str | Path, job: JobSpec) -> str | None:
     """The current version's vectors for an incremental run (None on the first run)."""
     folder = current_path(root)
     return str(OutputLayout(folder).vectors) if job.output.incremental and folder is not None else None
 
 
-def previous_rows(root: Path) -> int:
+def previous_rows(root: str | Path) -> int:
     folder = current_path(root)
-    report = OutputLayout(folder).report_json if folder is not None else None
-    if report is None or not report.is_file():
-        return 0
-    return int(json.loads(report.read_text())["rows"])
+    report = _read_json(OutputLayout(folder).report_json) if folder is not None else None
+    return int(report["rows"]) if report is not None else 0
+
+
+def _read_json(path: TreePath) -> dict | None:
+    """A small JSON file of the tree (local or an object), or None when there is none."""
+    store = store_for(path)
+    if not store.exists(path):
+        return None
+    return json.loads(store.read_bytes(path))

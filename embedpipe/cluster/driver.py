@@ -13,7 +13,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import pyarrow as pa
@@ -30,6 +29,7 @@ from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
+from embedpipe.io.fs import use_job_storage
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
@@ -63,12 +63,13 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     units kept; it raises `Interrupted` with how many of the plan's units are done.
     """
     with _signals_interrupt():
+        use_job_storage(job)  # the output's storage_options before its first look (check_output, the lock)
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
         try:
-            with OutputLock(job.output.path, mode=job.output.lock):
+            with OutputLock(job.output.path, mode=job.output.lock) as lock:
                 if job.output.versioned:
-                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite)
+                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock)
                 return _run_once(job, plan, progress=progress, overwrite=overwrite)
         except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
             raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
@@ -114,8 +115,8 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
         return None
 
 
-def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool) -> RunResult:
-    root = Path(job.output.path)
+def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, lock: OutputLock) -> RunResult:
+    root = tree_path(job.output.path)
     claim_output(root, kind="versioned")
     if overwrite:
         versions.remove_all(root)
@@ -133,6 +134,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
                        previous_rows=versions.previous_rows(root) if incremental else 0, fingerprint=fingerprint)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
+    lock.confirm()  # a run whose lock was taken over never moves CURRENT
     versions.promote(root, version)
     result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
     if reencode_reason:  # no row could be reused: say why in the report
@@ -172,7 +174,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
                                                gpus=workers.gpus_per_worker,
-                                               previous=Path(incremental.previous).parent if incremental
+                                               previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)

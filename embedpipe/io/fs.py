@@ -152,6 +152,17 @@ def arrow_source(path: str, *, memory_map: bool = False) -> str | pa.NativeFile:
         return pa.PythonFile(fs.open(inner, "rb"), mode="r")
 
 
+def arrow_filesystem(paths: list[str]) -> tuple[Any, list[str]]:
+    """What pyarrow's datasets should open ``paths`` (all in one store) with: (None, the paths) when local, else a
+    pyarrow filesystem over fsspec's (with the store's options) and the paths within it."""
+    if not paths or not is_url(paths[0]):
+        return None, list(paths)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fsys, _ = filesystem(paths[0])
+    return PyFileSystem(FSSpecHandler(fsys)), [filesystem(p)[1] for p in paths]
+
+
 def read_text(path: str) -> str:
     with open_binary(path) as f:
         return f.read().decode("utf-8")

@@ -23,6 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from embedpipe.io.fs import arrow_filesystem
+
 HASH_BYTES = 16
 
 
@@ -38,7 +40,8 @@ class PreviousVectors:
     def __init__(self, vectors_dir: str | Path, *, parts: tuple[str, ...] | list[str] = ()):
         """``parts``: the part files the previous version's manifest records intact; an orphan or a torn part
         in the folder is never read (an empty list: the folder's parts, for a folder without a manifest)."""
-        self.dataset = ds.dataset(list(parts) if parts else str(vectors_dir), format="parquet")
+        self.filesystem, files = arrow_filesystem(list(parts) if parts else [str(vectors_dir)])  # None: local
+        self.dataset = ds.dataset(files if parts else files[0], format="parquet", filesystem=self.filesystem)
         if "content_hash" not in self.dataset.schema.names:
             raise ValueError(f"{vectors_dir} has no content_hash column: it was not written by an incremental "
                              f"run; run once more without output.incremental to start one")
@@ -58,7 +61,8 @@ class PreviousVectors:
         reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
         by_id: dict = {}
         for file in sorted({wanted[k][1] for k in np.flatnonzero(reuse)}):
-            part = pq.read_table(file, columns=["id", "embedding"], filters=[("id", "in", reused_ids)])
+            part = pq.read_table(file, columns=["id", "embedding"], filters=[("id", "in", reused_ids)],
+                                 filesystem=self.filesystem)
             flat = part["embedding"].combine_chunks()
             rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
             by_id.update(zip(part["id"].to_pylist(), rows))
