@@ -134,3 +134,36 @@ def test_a_store_without_conditional_create_is_refused_unless_the_job_opts_out()
         pass
     fs, inner = filesystem("memory://objlock-test")
     assert not fs.exists(inner + "/out/" + LOCK_NAME)
+
+
+def _cli_job(tmp_path, corpus, out: str, **output) -> str:
+    from tests.conftest import write_job
+
+    return str(write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
+                         model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
+                         output={"path": out, **output}, cluster={"workers": 1}))
+
+
+def test_the_cli_refuses_a_run_on_an_s3_output_held_by_another_with_exit_5(tmp_path, small_corpus, s3_bucket,
+                                                                            s3_options):
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    out = join(s3_bucket, "out")
+    with OutputLock(out):  # this live process holds it
+        result = CliRunner().invoke(app, ["run", _cli_job(tmp_path, small_corpus[1], out, storage_options=s3_options),
+                                          "--no-progress"])
+    assert result.exit_code == 5, result.output
+    assert f"{out} is being written by another run (host {socket.gethostname()}, pid {os.getpid()}" in result.output
+
+
+def test_the_cli_refuses_a_store_without_conditional_create_with_exit_5(tmp_path, small_corpus):
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    result = CliRunner().invoke(app, ["run", _cli_job(tmp_path, small_corpus[1], "memory://objlock-cli/out"),
+                                      "--no-progress"])
+    assert result.exit_code == 5, result.output
+    assert "cannot: write to s3:// or a local path, or set output.lock: none" in " ".join(result.output.split())

@@ -101,3 +101,20 @@ def test_a_night_killed_before_promotion_leaves_current_and_the_rerun_promotes(
     assert report["incremental"]["reused"] == 60 and report["incremental"]["encoded"] == 140
     fs, inner = _fs(root)
     assert not fs.exists(f"{inner}/.embedpipe.lock")  # released
+
+
+def test_prune_on_s3_lists_versions_and_never_removes_current(s3_bucket):
+    from embedpipe.versions import choose_version, current_version, prune
+
+    root = join(s3_bucket, "index")
+    fs, inner = _fs(root)
+    names = ("20260101T000000Z", "20260102T000000Z", "20260103T000000Z")
+    for name in names:
+        fs.pipe_file(f"{inner}/versions/{name}/VALIDATED", b"")
+        fs.pipe_file(f"{inner}/versions/{name}/.embedpipe-output", b"{}")
+    fs.pipe_file(f"{inner}/versions/20260104T000000Z/_manifest/job.json", json.dumps({"sha256": "abc"}).encode())
+    fs.pipe_file(f"{inner}/CURRENT", b"20260101T000000Z\n")  # rolled back to the oldest
+    assert current_version(root) == "20260101T000000Z"
+    assert choose_version(root, {"sha256": "abc"}) == "20260104T000000Z"  # the unfinished one of this job resumes
+    assert prune(root, keep=1) == ["20260102T000000Z"]
+    assert _versions(root) == {"20260101T000000Z", "20260103T000000Z", "20260104T000000Z"}
