@@ -85,3 +85,15 @@ def test_ray_job_submit_runs_the_job_on_the_cluster(tmp_path, ray_head_with_jobs
         "filter_keys": "class_name", "filter_predicates": "=", "filter_values": "EmbedWorker", "detail": "false"})
     workers = actors.json()["data"]["result"]["result"]
     assert len(workers) == 1, f"the run's worker was not the cluster's (an embedded Ray of its own?): {workers}"
+
+    # a bad input fails the job: its one `error:` line is in the job's log, `ray job submit` exits non-zero
+    (tmp_path / "broken.parquet").write_bytes(b"not a parquet file")
+    bad = write_job(tmp_path / "bad.yaml", input={"path": str(tmp_path / "broken.parquet")},
+                    model={"path": "sentence-transformers/all-MiniLM-L6-v2"}, output={"path": str(tmp_path / "bad")})
+    failed = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--",
+                             "embedpipe", "run", str(bad), "--no-progress"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    said = failed.stdout + failed.stderr
+    errors = {line for line in said.splitlines() if line.startswith("error: ")}  # the log is shown twice
+    assert failed.returncode != 0 and "failed with exit code 3" in said and "Traceback" not in said, said
+    assert len(errors) == 1 and "broken.parquet" in errors.pop(), said
