@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 
+from embedpipe.cluster.connect import submitted_job_address
 from tests.conftest import write_job
 from tests.test_cluster_join import _free_port, _stop_head
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -65,6 +65,7 @@ def ray_head_with_jobs(tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_ray_job_submit_runs_the_job_on_the_cluster(tmp_path, ray_head_with_jobs, quickstart_table):
     address, env = ray_head_with_jobs
     table = quickstart_table.slice(0, 300).select(["id", "text"])
@@ -97,3 +98,16 @@ def test_ray_job_submit_runs_the_job_on_the_cluster(tmp_path, ray_head_with_jobs
     errors = {line for line in said.splitlines() if line.startswith("error: ")}  # the log is shown twice
     assert failed.returncode != 0 and "failed with exit code 3" in said and "Traceback" not in said, said
     assert len(errors) == 1 and "broken.parquet" in errors.pop(), said
+
+
+@pytest.mark.parametrize("env, address", [
+    ({"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}", "RAY_ADDRESS": "10.0.0.1:6379"}, "auto"),  # a Ray job's entrypoint
+    ({"RAY_ADDRESS": "10.0.0.1:6379"}, ""),  # a shell with RAY_ADDRESS: still an embedded local Ray
+    ({}, ""),
+])
+def test_only_a_ray_job_entrypoint_joins_by_default(monkeypatch, env, address):
+    for name in ("RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert submitted_job_address() == address

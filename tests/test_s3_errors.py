@@ -310,3 +310,21 @@ def test_output_without_its_fsspec_backend(output_job):
     line = _refused(output_job("gs://bucket/out", {}))
     assert "no fsspec package for gs:// is installed" in line and "pip install gcsfs" in line
 
+
+
+# --------------------------------------------------------------------------- secrets
+
+def test_an_error_line_never_holds_a_secret(monkeypatch):
+    """Whatever a backend puts in its message: the job's secret options, AWS_* secrets and a URL's password
+    are replaced before the line is made (the public options, such as the endpoint, stay)."""
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "env-session-token-5d2a")
+    fs.use_storage_options("s3://scrubbed", {"endpoint_url": "http://store:9000", "secret": "job-secret-81f0",
+                                             "client_kwargs": {"aws_session_token": "job-token-3b7c"}})
+    said = ("denied for job-secret-81f0 with job-token-3b7c and env-session-token-5d2a at "
+            "http://user:url-password@store:9000/scrubbed")
+    with pytest.raises(StorageError) as info, fs.remote_errors("s3://scrubbed/x.parquet"):
+        raise PermissionError(said)
+    line = info.value.line()
+    for secret in ("job-secret-81f0", "job-token-3b7c", "env-session-token-5d2a", "url-password"):
+        assert secret not in line
+    assert line.startswith("s3://scrubbed/x.parquet: access denied") and "<redacted>" in line
