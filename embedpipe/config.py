@@ -195,7 +195,8 @@ UNIT_TIMEOUT_FLOOR_S, UNIT_TIMEOUT_FACTOR = 120.0, 4.0
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    address: str = opt("", "Empty: start an embedded local Ray. `auto` or `ray://host:port` or `host:port`: join a cluster.")
+    address: str = opt("", "Empty: start an embedded local Ray (in a `ray job submit` entrypoint: join the cluster it was "
+                           "submitted to). `auto` or `ray://host:port` or `host:port`: join a cluster.")
     workers: int | None = opt(None, "Worker actors; null: one per GPU, else one.")
     cpus_per_worker: int | None = opt(None, "CPUs (and torch threads) per worker; null: the node's CPUs split over the workers (GPU workers: 2).")
     max_attempts: int = opt(3, "A unit whose worker dies (killed, out of memory) goes back to the queue; after this many "

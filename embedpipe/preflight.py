@@ -1,6 +1,8 @@
 """Checks that run on the driver before any worker starts or any model runs.
 
-A corrupt or unreadable file, a missing column, ids of two types across the input, a null id
+An object store that cannot serve input.path or take output.path's writes (unreachable endpoint, missing
+bucket, no or refused credentials, a missing permission, no fsspec package for the protocol), a corrupt or
+unreadable file, a missing column, ids of two types across the input, a null id
 (under ``input.on_bad_row: error``), duplicate ids and a model directory with missing or unsafe
 files are each reported here, naming the file and the fix, so a bad nightly job fails in seconds
 instead of after an hour of encoding. The checks that span the job and another package (the
@@ -103,6 +105,7 @@ def preflight(job: JobSpec) -> RunPlan:
     """Check the job against its output, input and model, in that order of cost; the run's plan."""
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
+    check_stores(job)
     if job.output.versioned:
         check_current(tree_path(job.output.path))
     inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
@@ -130,6 +133,17 @@ def check_output_settings(output: OutputConfig) -> None:
             parse_factory(output.index)
         except FactoryError as exc:
             raise JobError("output.index", str(exc), "write a valid factory string or output.index: auto") from None
+
+
+def check_stores(job: JobSpec) -> None:
+    """Object-store paths answer before anything is listed or written: the endpoint is reachable, the bucket
+    exists, the credentials are accepted and hold the permissions the run needs (output.path: list, write,
+    read and delete, by a probe object that is removed again; input.path: list and read). Local paths: nothing
+    to check here. A handful of requests (embedpipe/io/fs.py: check_writable, check_readable)."""
+    if fs.is_url(job.output.path):
+        fs.check_writable(job.output.path, section="output")
+    if fs.is_url(job.input.path):
+        fs.check_readable(job.input.path, section="input")
 
 
 def plan_model(job: JobSpec) -> ModelPlan:

@@ -115,15 +115,17 @@ def test_unreachable_s3_endpoint_exits_3_naming_the_url_and_the_endpoint(tmp_pat
     assert time.monotonic() - started < 60
 
 
-def test_missing_fsspec_backend_exits_3_naming_the_package(tmp_path):
+@pytest.mark.parametrize("protocol, package", [("gs", "gcsfs"), ("az", "adlfs")])
+def test_missing_fsspec_backend_exits_3_naming_the_package(tmp_path, protocol, package):
     try:
-        import gcsfs  # noqa: F401
-        pytest.skip("gcsfs is installed here: gs:// has its backend")
+        __import__(package)
+        pytest.skip(f"{package} is installed here: {protocol}:// has its backend")
     except ImportError:
         pass
-    result = _embedpipe("run", str(_job(tmp_path, "gs://bucket/x.parquet")), "--no-progress")
+    url = f"{protocol}://bucket/x.parquet"
+    result = _embedpipe("run", str(_job(tmp_path, url)), "--no-progress")
     assert result.returncode == 3, result.stderr
-    assert "pip install gcsfs" in _one_line(result.stderr, "error: gs://bucket/x.parquet:")
+    assert f"pip install {package}" in _one_line(result.stderr, f"error: {url}:")
 
 
 def test_output_not_embedpipes_exits_5(tmp_path, small_corpus):

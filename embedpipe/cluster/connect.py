@@ -49,15 +49,28 @@ def _keep_signal_handlers() -> Iterator[None]:
 
 
 def _init(cfg: ClusterConfig) -> None:
-    if cfg.address:
-        address = _use_token_if_available(cfg.address)
+    address = cfg.address or submitted_job_address()
+    if address:
+        address = _use_token_if_available(address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     else:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
-        # "local": always a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
+        # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
         ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
                  logging_level=logging.WARNING)
+
+
+def submitted_job_address() -> str:
+    """``auto`` when this process is the entrypoint of a Ray job (``ray job submit -- embedpipe run job.yaml``),
+    else "" (an embedded local Ray).
+
+    The job server starts the entrypoint with RAY_JOB_CONFIG_JSON_ENV_VAR (the job's id and runtime_env) and
+    RAY_ADDRESS (the cluster's GCS); such a run joins the cluster it was submitted to instead of starting a
+    second Ray of its own on the head node. A plain shell's RAY_ADDRESS alone changes nothing: an empty
+    cluster.address stays an embedded local Ray there."""
+    submitted = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ and bool(os.environ.get("RAY_ADDRESS"))
+    return "auto" if submitted else ""
 
 
 PROBE_SECONDS = 10.0  # how long the join waits for the head's answer to "do you ask for a token?"
