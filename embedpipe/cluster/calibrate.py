@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import InputConfig, JobSpec
 from embedpipe.io.layout import OutputLayout, atomic_write_text
 from embedpipe.io.quantize import Calibration, fit_calibration, quantization_record, read_record, stored_type
@@ -46,23 +47,24 @@ def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -
     return [texts[i] for i in picks.tolist()]
 
 
-def _embed_sample(job: JobSpec, texts: list[str], threads: int) -> np.ndarray:
+def _embed_sample(job: JobSpec, texts: list[str], threads: int, model: ShippedModel | None) -> np.ndarray:
+    """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D];
+    the model from the node's cache, as a worker loads it."""
     from embedpipe.io.fs import use_job_storage
-
-    use_job_storage(job)
-    """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D]."""
     from embedpipe.runtime import Encoder
 
-    return Encoder.from_job(job, threads=threads).embed(texts)
+    use_job_storage(job)
+    return Encoder.from_job(job_on_node(job, model), threads=threads).embed(texts)
 
 
 def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: int, previous: str | Path | None,
-                         cpus: float, gpus: float) -> Calibration | None:
+                         cpus: float, gpus: float, model: ShippedModel | None = None) -> Calibration | None:
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
 
     Order: this output's record (a resumed run), the previous version's (an incremental run), else
     fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
     ``dim``: the stored vectors' dimension, from the run's plan (``RunPlan.model.vector_dim``).
+    ``model``: the run's shipped model (the driver's); None only where ``model.path`` is on every node.
     """
     dtype = job.output.dtype
     if not stored_type(dtype).quantized:
@@ -76,13 +78,13 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: 
                 log.info("int8 calibration taken from %s", OutputLayout(source).quantization)
                 break
         else:
-            calibration = fit(job, units, cpus=cpus, gpus=gpus)
+            calibration = fit(job, units, cpus=cpus, gpus=gpus, model=model)
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
     atomic_write_text(OutputLayout(output).quantization, json.dumps(record, indent=2) + "\n")
     return calibration
 
 
-def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float) -> Calibration:
+def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float, model: ShippedModel | None = None) -> Calibration:
     import ray
 
     o = job.output
@@ -90,7 +92,7 @@ def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float) -> Calibra
     if not texts:
         raise ValueError("output.dtype int8/uint8: the calibration sample found no text rows in the input")
     task = ray.remote(_embed_sample).options(num_cpus=cpus, num_gpus=gpus, max_retries=1)
-    vectors = ray.get(task.remote(job, texts, max(int(cpus), 1)))
+    vectors = ray.get(task.remote(job, texts, max(int(cpus), 1), model))
     log.info("int8 calibration fitted on %d sampled rows", len(texts))
     return fit_calibration(vectors, precision=o.dtype, seed=o.calibration_seed,
                            input_rows=sum(u.num_rows for u in units))

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.connect import connect, plan_workers
+from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
@@ -171,15 +172,17 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         started_ray = connect(job.cluster)
         try:
             workers = plan_workers(job.cluster)
+            model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
-                                               gpus=workers.gpus_per_worker,
+                                               gpus=workers.gpus_per_worker, model=model,
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
-                make_actor=lambda slot: actor_cls.remote(job, index=slot, threads=workers.cpus_per_worker,
+                make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
+                                                         threads=workers.cpus_per_worker,
                                                          incremental=incremental, calibration=calibration),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
@@ -192,7 +195,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                     this_run.merge(counters)
                     per_worker[result.worker].merge(counters)
                     peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
-                    spans.append(UnitSpan(result.worker, result.started, result.finished, counters))
+                    spans.append(UnitSpan(result.worker, result.started, result.finished, counters, node=result.node))
                     devices[result.worker] = DeviceInfo.from_dict(result.device)
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
@@ -215,7 +218,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         total, this_run=this_run, wall_seconds=wall_seconds, workers=len(per_worker),
         units={"total": len(plan.units), "skipped_as_done": len(done), "encoded": len(todo) - len(scheduler.failed),
                "retried": scheduler.retried, "failed": len(scheduler.failed),
-               "failed_units": [f.to_dict() for f in scheduler.failed]},
+               "failed_units": [f.to_dict() for f in scheduler.failed],
+               "retried_units": [r.to_dict() for r in scheduler.retries]},
         peak_rss_mb={"driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                      "workers": [peaks.get(i) for i in range(len(per_worker))]},
     )

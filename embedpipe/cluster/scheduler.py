@@ -96,6 +96,23 @@ class UnitFailure:
                 "attempts": self.attempts, "error": self.error}
 
 
+@dataclass(frozen=True)
+class UnitRetry:
+    """One lost attempt of a unit that went back to the queue (or was set aside), for the report."""
+
+    unit: Unit  # or an index shard's Part
+    attempt: int
+    cause: Cause
+    error: str
+    worker: int  # the slot whose actor lost it
+    node: str  # the Ray node that actor ran on (node_label); "" when Ray no longer knows
+
+    def to_dict(self) -> dict:
+        return {"unit": self.unit.id, "file": getattr(self.unit, "file", None), "attempt": self.attempt,
+                "cause": self.cause,
+                "error": self.error, "worker": self.worker, "node": self.node}
+
+
 @dataclass
 class _Slot:
     """One worker slot: its actor, how far its start got, and the unit it holds."""
@@ -120,6 +137,7 @@ class Scheduler:
     liveness: Liveness = field(default_factory=lambda: Liveness.from_config(ClusterConfig()))
     resources: dict[str, float] = field(default_factory=dict)  # one worker's {"CPU": n, "GPU": m}, for messages
     retried: int = 0  # unit attempts lost to a worker death, stall or error
+    retries: list[UnitRetry] = field(default_factory=list)  # each of them, in the order they were lost
     failed: list[UnitFailure] = field(default_factory=list)
     replaced: int = 0  # actors started to replace dead or stalled ones
     given_up: int = 0  # slots left empty: their actor could not be placed
@@ -271,6 +289,7 @@ class Scheduler:
         self._attempts[unit.id] += 1
         self.retried += 1
         attempts = self._attempts[unit.id]
+        self.retries.append(UnitRetry(unit, attempts, cause, error, worker=slot.index, node=_actor_node(slot.actor)))
         log.warning("%s: attempt %d/%d failed (%s): %s", unit.label, attempts, self.max_attempts,
                     {"died": "worker died", "timeout": "worker stalled", "error": "error"}[cause], error)
         if replace:
@@ -322,6 +341,23 @@ def _placed(actor) -> bool:
         return bool(info.get("Pid")) or info.get("State") == "ALIVE"
     except Exception:  # noqa: BLE001 - a Ray without this table: fall back to readiness
         return False
+
+
+def node_label(ip: str, node_id: str) -> str:
+    """A Ray node as the report names it: "<ip>/<first 8 hex digits of its id>" (the id tells apart nodes
+    that share an address, such as several nodes of one machine)."""
+    return f"{ip}/{node_id[:8]}"
+
+
+def _actor_node(actor) -> str:
+    """The node ``actor`` ran on, from Ray's actor table; "" when unknown."""
+    try:
+        from ray._private import state
+
+        address = state.actors(actor._actor_id.hex()).get("Address") or {}
+        return node_label(address["IPAddress"], address["NodeID"]) if address.get("NodeID") else ""
+    except Exception:  # noqa: BLE001 - a Ray without this table, or the actor forgotten
+        return ""
 
 
 def _kill(actor) -> None:

@@ -1,5 +1,6 @@
 """The worker actor: builds its pipeline once, then processes work units one at a time.
 
+model: the driver's shipped copy, materialized in this node's cache (embedpipe/cluster/modelship.py) ->
 read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> encode -> pool -> write (Parquet part)
 -> manifest record (last: from then on the unit is done, whatever happens to this process).
 """
@@ -11,6 +12,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 
+from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import JobSpec
 from embedpipe.units import Unit
 
@@ -33,19 +35,24 @@ class UnitResult:
     started: float = 0.0  # time.time() when the worker took the unit (the report's per-worker timeline)
     finished: float = 0.0  # time.time() when its part was recorded
     device: dict = field(default_factory=dict)  # DeviceInfo.to_dict(): the device and its measured peak
+    node: str = ""  # the Ray node it ran on: "<node ip>/<node id, 8 hex digits>" (scheduler.node_label)
 
 
 class EmbedWorker:
     """Plain class; the driver wraps it with ``ray.remote`` and its resources."""
 
-    def __init__(self, job: JobSpec, *, index: int, threads: int, incremental: Incremental | None = None,
-                 calibration=None):
-        """``calibration``: the run's int8/uint8 ranges (embedpipe.io.quantize.Calibration), the same on
-        every worker, replacements included: the driver fits them before any worker starts."""
+    def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
+                 incremental: Incremental | None = None, calibration=None):
+        """``model``: the run's model in the object store; this worker loads it from its node's cache,
+        never from ``model.path``. ``calibration``: the run's int8/uint8 ranges
+        (embedpipe.io.quantize.Calibration), the same on every worker, replacements included: the
+        driver fits them before any worker starts."""
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.fs import use_job_storage
 
         use_job_storage(job)  # the job's storage_options reach every worker on every node
+        job = job_on_node(job, model)  # model.path: this node's cached copy, fetched once per node
+        self.node = node_name()
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.formats import UnitReader
         from embedpipe.io.writer import ParquetPartWriter
@@ -92,7 +99,7 @@ class EmbedWorker:
                              counters=counters.to_dict())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
-                          started=started, finished=time.time(), device=self.device)
+                          started=started, finished=time.time(), device=self.device, node=self.node)
 
     def _embed_incremental(self, rows, counters):
         """Encode only rows whose content changed; take the others' vectors from the previous version."""
@@ -114,3 +121,14 @@ class EmbedWorker:
             counters.rows += int(reuse.sum())
             counters.reused_rows = int(reuse.sum())
         return vectors, {"content_hash": hashes}
+
+
+def node_name() -> str:
+    """This process's Ray node as the report names it (scheduler.node_label); "" outside Ray."""
+    import ray
+
+    from embedpipe.cluster.scheduler import node_label
+
+    if not ray.is_initialized():
+        return ""
+    return node_label(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())

@@ -28,12 +28,13 @@ from embedpipe.report.flops import effective_seq_len, flops_per_token_from_confi
 
 @dataclass(frozen=True)
 class UnitSpan:
-    """One finished unit as the report sees it: which worker, when (time.time()), what it counted."""
+    """One finished unit as the report sees it: which worker, when (time.time()), what it counted, where."""
 
     worker: int
     started: float
     finished: float
     counters: Counters
+    node: str = ""  # the Ray node it ran on ("<ip>/<node id prefix>"); "" when not known
 
 
 def busy_seconds(stages: dict[str, float]) -> float:
@@ -118,6 +119,7 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
     return {
         "worker": index,
         "host": device.host,
+        "node": " + ".join(dict.fromkeys(s.node for s in sorted(spans, key=lambda s: s.started) if s.node)) or None,
         "device": device.name,
         "units": len(spans),
         "rows": c.rows,

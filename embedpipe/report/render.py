@@ -107,6 +107,22 @@ def _units_text(r: dict) -> str | None:
             f"{u['retried']} retried, {u['failed']} failed)")
 
 
+def _retried_text(r: dict, *, listed: int = 5) -> str | None:
+    """The units whose attempts were lost, with the cause and the node ("none"); None for older reports."""
+    u = r.get("units")
+    retries = u.get("retried_units") if isinstance(u, dict) else None
+    if retries is None:
+        return None
+    causes = {"died": "worker died", "timeout": "worker stalled", "error": "error"}
+
+    def one(x: dict) -> str:
+        where = f" on {x['node']}" if x.get("node") else ""
+        return f"{x['unit']} ({causes.get(x['cause'], x['cause'])}{where})"
+
+    more = f" and {len(retries) - listed} more" if len(retries) > listed else ""
+    return ", ".join(one(x) for x in retries[:listed]) + more if retries else "none"
+
+
 def _bad_rows_text(r: dict) -> str | None:
     bad = r.get("bad_rows")
     if bad is None:
@@ -125,6 +141,7 @@ OVERVIEW: list[Metric] = [
     Metric("Run", "device", _device_text, f_text, numeric=False),
     Metric("Run", "workers", _dig("workers"), f_int),
     Metric("Run", "units", _units_text, f_text, numeric=False),
+    Metric("Run", "retried units", _retried_text, f_text, numeric=False),
     Metric("Run", "wall time", _dig("wall_seconds"), f_sec),
     Metric("Run", "start-up (to first unit)", _dig("startup_seconds"), f_sec),
     Metric("Run", "peak memory, driver", _dig("peak_rss_mb", "driver"), f_mb),
@@ -224,7 +241,8 @@ def metrics_for(report: dict, *, project_rows: float | None = None) -> list[Metr
 # --------------------------------------------------------------------------- per-worker table
 
 WORKER_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
-    ("worker", "worker", f_int), ("host", "host", f_text), ("units", "units", f_int), ("rows", "rows", f_int),
+    ("worker", "worker", f_int), ("host", "host", f_text), ("ray node", "node", f_text), ("units", "units", f_int),
+    ("rows", "rows", f_int),
     ("tokens", "tokens", f_int), ("seconds", "seconds", f_sec), ("rows/s", "rows_per_second", f_num),
     ("tokens/s", "tokens_per_second", f_num), ("busy", "busy_fraction", f_pct), ("MFU", "mfu", f_pct),
 ]
