@@ -9,6 +9,7 @@ process group in a finally (`ray stop` would also stop every other Ray on the ma
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ def ray_head_with_jobs(tmp_path):
         _stop_head(temp)  # the head's process group: GCS, raylet, dashboard, its workers and the job's driver
         head.wait(timeout=60)
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from embedpipe.errors import StorageError
 from embedpipe.io import fs
 from embedpipe.preflight import preflight
 from tests.conftest import write_job
-from tests.test_exit_codes import _closed_port, _embedpipe, _one_line
+from tests.test_exit_codes import _closed_port, _one_line
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
