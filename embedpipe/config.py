@@ -341,10 +341,17 @@ def redact_storage_options(options: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in options.items():
         if name in PUBLIC_STORAGE_OPTIONS:
-            out[name] = redact_storage_options(value) if isinstance(value, dict) else value
+            out[name] = redact_storage_options(value) if isinstance(value, dict) else _without_userinfo(value)
         else:
             out[name] = REDACTED
     return out
+
+
+def _without_userinfo(value: Any) -> Any:
+    """``http://user:pass@host:9000`` -> ``http://<redacted>@host:9000``: an endpoint URL may carry a password."""
+    if isinstance(value, str):
+        return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]+@", rf"\1{REDACTED}@", value, flags=re.IGNORECASE)
+    return value
 
 
 # --------------------------------------------------------------------------- loading

@@ -27,6 +27,11 @@ def test_record_redacts_secrets_and_keeps_the_endpoint():
     assert "s3cr3t" not in json.dumps(job.record()) and "tok-9f3e" not in json.dumps(job.record())
 
 
+def test_record_redacts_a_password_in_the_endpoint_url():
+    job = _job(storage_options={"endpoint_url": "http://minio:pw-77c1@127.0.0.1:9000"})
+    assert job.record()["input"]["storage_options"] == {"endpoint_url": f"http://{REDACTED}@127.0.0.1:9000"}
+
+
 def test_storage_options_must_be_a_mapping():
     with pytest.raises(JobError, match=r"input\.storage_options: .* is not a mapping of names to values"):
         _job(storage_options=["endpoint_url=http://x"])
