@@ -34,7 +34,7 @@ from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
-from embedpipe.io.fs import is_url
+from embedpipe.io.fs import is_url, use_job_storage
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
@@ -64,6 +64,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     units kept; it raises `Interrupted` with how many of the plan's units are done.
     """
     with _signals_interrupt():
+        use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
         try:
