@@ -108,6 +108,34 @@ def test_done_checks_recorded_parts_by_one_listing_and_orphans_are_cleaned(mem_r
     assert sorted(store.list(manifest.layout.units)) == ["00000-00000.json"]
 
 
+def test_the_index_is_built_from_the_recorded_parts_never_an_orphan_and_uploaded(mem_root, tmp_path, one_faiss_thread):
+    from types import SimpleNamespace
+
+    from embedpipe.index.build import plan_index_build
+    from embedpipe.index.plan import ModelFacts, plan_index
+    from tests.conftest import QUICKSTART
+
+    job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART)}, model={"path": MODEL},
+                             output={"path": mem_root, "format": "both", "index": "Flat"}))
+    rng = np.random.default_rng(0)
+    writer, manifest, units = ParquetPartWriter(output_path=mem_root), Manifest(mem_root), []
+    for u in range(3):
+        unit = SimpleNamespace(id=f"00000-{u:05d}", num_rows=40)
+        vectors = rng.standard_normal((40, 8)).astype(np.float32)
+        part = writer.write(unit.id, pa.array([f"doc-{u}-{i}" for i in range(40)]), vectors / np.linalg.norm(
+            vectors, axis=1, keepdims=True))
+        manifest.record(unit.id, parts=[part], counters={})
+        units.append(unit)
+    writer.write("00000-00001", pa.array([f"orphan-{i}" for i in range(40)]), np.ones((40, 8), np.float32))
+    plan = plan_index(job, rows=120, model=ModelFacts(dim=8, normalize=True, query_prompt=""))
+    report = plan_index_build(job, units, plan)()
+    index = OutputLayout(mem_root).index
+    ids = pq.read_table(pa.BufferReader(OBJECT.read_bytes(index.ids)))["id"].to_pylist()
+    assert report["ntotal"] == 120 and len(ids) == 120 and not [i for i in ids if i.startswith("orphan")]
+    assert sorted(OBJECT.list(index.dir)) == ["holdout.parquet", "ids.parquet", "index.faiss", "index.json"]
+    assert report["path"] == f"{mem_root}/index" and json.loads(OBJECT.read_bytes(index.meta))["ntotal"] == 120
+
+
 def test_a_prefix_with_foreign_objects_is_refused_and_an_own_one_is_claimed(mem_root):
     check_output(mem_root)  # new: nothing there
     claim_output(mem_root, kind="run")
