@@ -227,6 +227,16 @@ def test_s3_input_and_output_through_the_cli_on_two_workers(s3_bucket, s3_option
     assert shown.exit_code == 0 and "300" in shown.output, shown.output
 
 
+def test_a_foreign_s3_prefix_is_refused_by_the_cli_before_anything_is_written(s3_bucket, s3_options, tmp_path):
+    s3 = _s3(s3_options)
+    s3.pipe_file(f"{s3_bucket[5:]}/theirs/data.csv", b"a,b\n")
+    job = _s3_job(tmp_path, input={"path": f"{s3_bucket}/in.parquet"}, output={"path": f"{s3_bucket}/theirs"},
+                  options=s3_options, unit_rows=20, max_tokens=2048)
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 5 and "was not created by embedpipe (found: data.csv;" in result.output, result.output
+    assert s3.find(f"{s3_bucket[5:]}/theirs") == [f"{s3_bucket[5:]}/theirs/data.csv"]
+
+
 @pytest.fixture(scope="module")
 def s3_corpus(tmp_path_factory, quickstart_table):
     """240 real rows as 2 local files of 20-row row groups: 12 units of 20."""
