@@ -152,17 +152,14 @@ def test_a_prefix_with_foreign_objects_is_refused_and_an_own_one_is_claimed(mem_
     OBJECT.remove_tree(Url(foreign))
 
 
-def test_url_outputs_load_and_versioned_ones_are_refused_in_preflight(tmp_path):
-    from embedpipe.config import JobError
+def test_url_outputs_load_versioned_ones_too(tmp_path):
     from embedpipe.preflight import check_output_settings
 
     job = load_job(write_job(tmp_path / "a.yaml", input={"path": "s3://b/in.parquet"}, model={"path": MODEL},
                              output={"path": "s3://b/out"}))
     assert job.output.path == "s3://b/out"
     check_output_settings(job.output)
-    versioned = job.replace(output={"versioned": True}).output
-    with pytest.raises(JobError, match=r"output.versioned: versioned outputs at a URL \(s3://b/out\) are not"):
-        check_output_settings(versioned)
+    check_output_settings(job.replace(output={"versioned": True}).output)  # tests/test_objstore_versions.py
 
 
 # --------------------------------------------------------------------------- runs on the loopback S3 server

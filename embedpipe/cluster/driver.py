@@ -64,7 +64,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     units kept; it raises `Interrupted` with how many of the plan's units are done.
     """
     with _signals_interrupt():
-        use_job_storage(job)  # the output's storage_options before its first look (check_output, the lock)
+        use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
         try:
