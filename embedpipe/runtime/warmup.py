@@ -117,7 +117,7 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
     from embedpipe.models import load_model
 
     settings = encoder.model_config
-    if isinstance(encoder.runner, EagerRunner) and settings.dtype == "float32":
+    if isinstance(encoder.runner, EagerRunner) and encoder.dtype == "float32":  # the resolved dtype (model.dtype auto)
         return None
     texts = sample_texts()
     batches = encoder.packer(encoder.tokenizer(texts))
@@ -128,7 +128,7 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
     try:
         return check(fast=encoder.runner, reference=EagerRunner(ref.model, head, device=encoder.device),
                      batches=batches, rows=len(texts), tolerance=tolerance,
-                     what=f"{encoder.runner.name} {settings.dtype} path on {encoder.device}")
+                     what=f"{encoder.runner.name} {encoder.dtype} path on {encoder.device}")
     finally:
         del ref, head
         if torch.device(encoder.device).type == "cuda":
