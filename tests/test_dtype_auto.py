@@ -74,3 +74,25 @@ def test_fingerprint_keeps_the_setting_as_written(tmp_path, minilm_dir):
     auto = _fingerprint(tmp_path, minilm_dir)
     assert _fingerprint(tmp_path, minilm_dir, dtype="auto") == auto
     assert _fingerprint(tmp_path, minilm_dir, dtype="float32") != auto
+
+
+def test_the_warmup_reference_runs_full_float32_under_tf32(monkeypatch):
+    """runtime.tf32 sets TF32 for the process; the guard's float32 reference still runs at "highest"."""
+    from embedpipe.runtime.warmup import FullFloat32
+
+    seen = []
+
+    class Probe:
+        name = "eager"
+
+        def submit(self, batch):
+            seen.append(torch.get_float32_matmul_precision())
+            return batch
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert FullFloat32(Probe()).submit("b") == "b"
+        assert seen == ["highest"] and torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision(previous)
