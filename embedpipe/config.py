@@ -11,7 +11,7 @@ A job file is YAML with one mapping per section (``input``, ``model``, ``batchin
 so the docs cannot drift from the code.
 
 Errors name the field, the bad value and the fix:
-``job.yaml: model.dtype: 'fp32' is not one of float32, bfloat16, float16 (fix: set model.dtype to one of them)``.
+``job.yaml: model.dtype: 'fp32' is not one of float32, bfloat16, float16, auto (fix: set model.dtype to one of them)``.
 """
 
 from __future__ import annotations
@@ -57,7 +57,16 @@ def opt(default: Any = REQUIRED, doc: str = "", *, path: bool | Literal["hub", "
 
 # --------------------------------------------------------------------------- sections
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+def resolve_dtype(dtype: str, *, device: str) -> str:
+    """model.dtype on a device kind ("cpu", "cuda", "cuda:0"): auto is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.split(":")[0] == "cuda" else "float32"
+
+
 STORAGE_DOC = ("fsspec options for {section}.path's store (`endpoint_url`, `profile`, `anon`, `key`, `secret`, "
                "`client_kwargs`, ...), passed to the driver and every worker on every node; the standard environment "
                "variables (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) apply too. Never written anywhere: job.json, "
@@ -102,7 +111,8 @@ class ModelConfig:
                         "resolved offline from an installed model package or the local HF cache.", path="hub")
     max_seq_len: int | None = opt(None, "Truncate longer texts to this many tokens (special tokens included); "
                                         "null: the model's sentence-transformers max length, else its position limit.")
-    dtype: Dtype = opt("float32", "Compute dtype of the encoder. Layer norms, softmax and pooling accumulate in float32.")
+    dtype: Dtype = opt("auto", "Compute dtype of the encoder; auto: bfloat16 on a GPU, float32 on CPU (each worker "
+                               "resolves it for its device). Layer norms, softmax and pooling accumulate in float32.")
     pooling: Pooling = opt("auto", "auto: what the model's sentence-transformers config says (mean for encoders without one).")
     normalize: bool | Literal["auto"] = opt("auto", "L2-normalise vectors; auto: what the model's sentence-transformers config says.")
     allow_pickle: bool = opt(False, "Also read pickled weights (`pytorch_model.bin`, with torch.load(weights_only=True)) "
@@ -244,6 +254,9 @@ class RuntimeConfig:
     max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")
     graph_memory_mb: int = opt(4096, "GPU: memory the graphs may hold together (MiB); the least recently used are "
                                      "released beyond it, and a bucket whose graph alone exceeds it runs eagerly.")
+    tf32: bool = opt(False, "GPU, model.dtype float32: let float32 matmuls use TF32 tensor cores "
+                            "(torch.set_float32_matmul_precision('high'), for the worker process); false leaves "
+                            "torch's setting as it is (full float32 by default).")
     warmup_check: bool = opt(True, "Before real work, run sample texts through the fast path and an eager float32 "
                                    "copy; fail the worker if any cosine differs by more than 0.1%.")
 

@@ -4,7 +4,10 @@
     python scripts/gpu_check.py                # CUDA: MiniLM-L6, BERT-base, Qwen3-0.6B configurations
     python scripts/gpu_check.py --cpu-smoke    # tiny configurations on CPU in seconds (the test suite runs this)
 
-Writes `$OUT/gpu_check.json` when OUT is set, else `./gpu_check.json`, and prints one table.
+Writes `$OUT/gpu_check.json` when OUT is set, else `./gpu_check.json` (or --out), after EVERY row, so a
+CUDA error in one model keeps the rows before it; prints one table; exits 1 when any row or step failed.
+`--fail NAME` makes the row NAME fail on purpose, `--crash NAME` kills the process in it, as a fatal CUDA
+error would (tests of that contract).
 
 Everything is built in place, nothing is downloaded and no tokenizer travels: each model is a
 random-weight `transformers` model of the real configuration, and embedpipe's packed model gets
@@ -31,6 +34,15 @@ the same sequences, already tokenized. Per model:
   MFU        model FLOPs of the real tokens (the family's rule, embedpipe/report/flops.py) per second, over the
              measured bf16 matmul rate of this GPU (report/device.py's probe, 4096^3 and 8192^3, not the datasheet)
 
+Real text (the row "minilm-l6 real text"): what a user sees. The quickstart corpus
+(examples/data/quickstart.parquet, repeated to `rows` texts) through all-MiniLM-L6-v2's real tokenizer
+(scripts/gpu_assets/minilm: its config and tokenizer files, no weights; random weights of the real
+configuration are built in place), texts in and vectors out, each timed the same way (device synced):
+  sentence-transformers  SentenceTransformer(folder).to(bfloat16).encode(texts, batch_size=...), best of a sweep
+  embedpipe              Encoder(...).embed(texts): the production path (model.dtype auto = bfloat16 on CUDA,
+                         the prefetch thread, lazily captured graphs, the warmup guard at construction); the
+                         first call (captures) is reported apart from the timed second call
+
 Targets (H100/H200 class): embedpipe graphed >= 3x sentence-transformers on MiniLM at the mixed
 lengths; >= 50 % MFU on Qwen3-0.6B at 512-token inputs. A failure is recorded in its row and
 the run goes on.
@@ -42,9 +54,11 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -56,11 +70,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, no install needed
 
-from embedpipe.config import BatchingConfig  # noqa: E402
+from embedpipe.config import BatchingConfig, ModelConfig, RuntimeConfig  # noqa: E402
 from embedpipe.kernels import select_backend  # noqa: E402
 from embedpipe.report.bench import bench_runner, matmul_peak, model_flops, packed_model  # noqa: E402
+from embedpipe.report.counters import Counters  # noqa: E402
+from embedpipe.runtime.encoder import Encoder  # noqa: E402
 from embedpipe.runtime.runners import DeviceRunner, EagerRunner  # noqa: E402
 from embedpipe.runtime.warmup import compare, run_batches  # noqa: E402
 from embedpipe.text.packer import TokenPacker  # noqa: E402
@@ -68,6 +85,8 @@ from embedpipe.text.tokenizer import Tokenized  # noqa: E402
 
 TARGET_ST_SPEEDUP = 3.0  # embedpipe graphed / sentence-transformers, MiniLM, mixed lengths
 TARGET_MFU_512 = 0.5  # Qwen3-0.6B, 512-token inputs
+ASSETS = ROOT / "scripts" / "gpu_assets" / "minilm"  # all-MiniLM-L6-v2's config and tokenizer, no weights
+QUICKSTART = ROOT / "examples" / "data" / "quickstart.parquet"
 
 
 @dataclass(frozen=True)
@@ -84,9 +103,18 @@ class Spec:
 
 
 @dataclass(frozen=True)
+class TextSpec:
+    """A real-text row: the quickstart corpus through the real MiniLM tokenizer, random weights of its config."""
+    name: str
+    rows: int  # texts (the corpus repeated as needed)
+    batch_sizes: tuple[int, ...]  # sentence-transformers' sweep
+    config: dict = field(default_factory=dict)  # overrides of the real config.json (smoke: tiny sizes)
+
+
+@dataclass(frozen=True)
 class Plan:
     device: str
-    specs: list[Spec]
+    specs: list  # Spec | TextSpec, in the order they run
     max_len: int  # longest sequence; also the engine's max_seq_len
     max_tokens: int  # engine token budget per batch
     matmul_sizes: tuple[int, ...]  # square bf16 matmuls of the peak probe (report/device.py's)
@@ -99,6 +127,7 @@ GPU_SPECS = [
     Spec("minilm-l6", "bert", dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                                    intermediate_size=1536, max_position_embeddings=512),
          pooling="mean", st_pooling="mean", mixed=30000, parity=2000),
+    TextSpec("minilm-l6 real text", rows=30000, batch_sizes=(64, 128, 256, 512)),
     Spec("bert-base", "bert", dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                    intermediate_size=3072, max_position_embeddings=512),
          pooling="mean", st_pooling="mean", mixed=12000, parity=1000),
@@ -112,6 +141,8 @@ SMOKE_SPECS = [
     Spec("minilm-l6 (tiny)", "bert", dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                           intermediate_size=64, max_position_embeddings=128),
          pooling="mean", st_pooling="mean", mixed=96, parity=48, batch_sizes=(16, 32)),
+    TextSpec("minilm-l6 real text (tiny)", rows=200, batch_sizes=(32, 64),
+             config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)),
     Spec("qwen3 (tiny)", "qwen3", dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=8, intermediate_size=64,
                                        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True),
@@ -368,6 +399,94 @@ def check_model(spec: Spec, plan: Plan, peak: float, started: float, workdir: Pa
     return row
 
 
+# --------------------------------------------------------------------------- real text
+
+
+def corpus_texts(rows: int) -> list[str]:
+    import pyarrow.parquet as pq
+
+    texts = pq.read_table(QUICKSTART, columns=["text"]).column("text").to_pylist()
+    return [texts[i % len(texts)] for i in range(rows)]
+
+
+def real_text_model(spec: TextSpec, folder: Path) -> Path:
+    """MiniLM's files (config, tokenizer, sentence-transformers modules) with random weights of that config
+    (seeded), as a model directory both engines load."""
+    import transformers
+
+    shutil.copytree(ASSETS, folder, dirs_exist_ok=True)
+    config = {**json.loads((folder / "config.json").read_text()), **spec.config}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": config["hidden_size"]}))
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(folder))
+    model.save_pretrained(folder, safe_serialization=True)  # model.safetensors (and config.json again)
+    return folder
+
+
+def check_text(spec: TextSpec, plan: Plan, started: float, workdir: Path) -> dict:
+    row: dict = {"model": spec.name, "kind": "real text"}
+    dev, steps, speeds = plan.device, Steps(row), {}
+    row["speed"] = speeds
+    folder = real_text_model(spec, workdir / "minilm-real")
+    texts = corpus_texts(spec.rows)
+    row["texts"] = {"rows": len(texts), "corpus": str(QUICKSTART.relative_to(ROOT)), "tokenizer": "all-MiniLM-L6-v2"}
+    ours = None
+    with steps("embedpipe Encoder.embed"):
+        encoder = Encoder(model=ModelConfig(path=str(folder)), batching=BatchingConfig(max_tokens=plan.max_tokens),
+                          runtime=RuntimeConfig(device=plan.device))  # auto dtype; the warmup guard runs here
+        row["encoder"] = {"device": encoder.device, "dtype": encoder.dtype, "runner": encoder.runner.name,
+                          "attention_backend": encoder.loaded.model.attention_backend,
+                          "warmup_min_cosine": None if encoder.warmup is None else encoder.warmup.min_cosine}
+        first = Counters()
+        first_s = timed(lambda: encoder.embed(texts, first), dev)  # lazy capture of this corpus's buckets
+        counters, box = Counters(), {}
+        seconds = timed(lambda: box.setdefault("v", encoder.embed(texts, counters)), dev)
+        ours = box["v"]
+        speeds["embedpipe"] = {"rows_per_s": len(texts) / seconds, "tokens_per_s": counters.tokens / seconds,
+                               "seconds": round(seconds, 3), "first_call_s": round(first_s, 3),
+                               "padded_tokens": counters.padded_tokens}
+        graphs = getattr(encoder.runner, "graphs", None)
+        if graphs is not None:
+            speeds["embedpipe"].update(graphs=len(graphs.graphs), graph_mib=round(graphs.nbytes / 2**20, 1),
+                                       captures=graphs.stats.captures, eager_runs=graphs.stats.eager_runs)
+        row["tokens"] = counters.tokens
+        del encoder
+    if not plan.sentence_transformers:
+        speeds["sentence_transformers"] = {"skipped": "sentence-transformers is not installed"}
+    elif time.perf_counter() - started > plan.budget_s:
+        speeds["sentence_transformers"] = {"skipped": "time budget"}
+    else:
+        with steps("sentence-transformers encode"):
+            from sentence_transformers import SentenceTransformer
+
+            st = SentenceTransformer(str(folder), device=dev).to(torch.bfloat16).eval()
+            per, best_vectors = {}, None
+            for bs in spec.batch_sizes:
+                st.encode(texts[:2 * bs], batch_size=bs)  # warm: kernels, allocator
+                box = {}
+                seconds = timed(lambda: box.setdefault("v", st.encode(texts, batch_size=bs, convert_to_numpy=True)), dev)
+                per[bs] = len(texts) / seconds
+                if per[bs] == max(per.values()):
+                    best_vectors = box["v"]
+            best = max(per, key=per.get)
+            speeds["sentence_transformers"] = {"rows_per_s": per[best], "batch_size": best,
+                                               "sweep_rows_per_s": {str(k): round(v) for k, v in per.items()}}
+            if row.get("tokens"):
+                speeds["sentence_transformers"]["tokens_per_s"] = row["tokens"] * per[best] / len(texts)
+            if ours is not None:
+                row["embedpipe_vs_sentence_transformers_min_cosine"] = compare(ours, best_vectors).min_cosine
+            del st
+    st_rows = speeds.get("sentence_transformers", {}).get("rows_per_s")
+    our_rows = speeds.get("embedpipe", {}).get("rows_per_s")
+    ratio = our_rows / st_rows if st_rows and our_rows else None
+    row["embedpipe_vs_sentence_transformers"] = ratio
+    row["target"] = {"what": "Encoder.embed / SentenceTransformer.encode, texts in, vectors out",
+                     "target": TARGET_ST_SPEEDUP, "value": ratio, "met": None if ratio is None else ratio >= TARGET_ST_SPEEDUP}
+    return row
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -384,6 +503,15 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['model']} | error: {r.get('error')}")
             continue
         s = r["speed"]
+        if r.get("kind") == "real text":
+            ratio = r.get("embedpipe_vs_sentence_transformers")
+            st = s.get("sentence_transformers", {})
+            lines.append(" | ".join([
+                r["model"], _fmt(r.get("embedpipe_vs_sentence_transformers_min_cosine"), ".6f"), "-",
+                _fmt(st.get("tokens_per_s")) + (f" (bs {st['batch_size']})" if "batch_size" in st else ""), "-",
+                "-", _fmt(s.get("embedpipe", {}).get("tokens_per_s")) + " (Encoder.embed, texts in)",
+                "-" if ratio is None else f"{ratio:.2f}x", "-", "-", ", ".join(r.get("errors", {})) or "-"]))
+            continue
 
         def speed(name: str) -> str:
             got = s.get(name, {})
@@ -427,21 +555,75 @@ def environment(plan: Plan) -> dict:
     return env
 
 
+def failed_rows(rows: list[dict]) -> list[str]:
+    """Rows that failed whole ("error") or in one of their steps ("errors")."""
+    return [r["model"] for r in rows if "error" in r or r.get("errors")]
+
+
+def write_report(out: Path, report: dict) -> None:
+    """Atomically (temp name, then rename): a reader never sees half a file, a crash keeps the last rows."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str))
+    os.replace(tmp, out)
+
+
+def cleanup(device: str) -> None:
+    """After every row, whatever happened in it; a sticky CUDA error raises again here: recorded, not fatal."""
+    gc.collect()
+    if device.startswith("cuda"):
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            print(f"  cleanup after the row failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def run_row(spec, plan: Plan, peak: float, started: float, workdir: Path, *, fail: str | None,
+            crash: str | None) -> dict:
+    t0 = time.perf_counter()
+    if crash is not None and crash == spec.name:
+        print(f"--crash {spec.name!r}: the process dies in this row", file=sys.stderr, flush=True)
+        os._exit(70)
+    try:
+        if fail is not None and fail == spec.name:
+            raise RuntimeError(f"--fail {spec.name!r}: this row fails on purpose")
+        if isinstance(spec, TextSpec):
+            row = check_text(spec, plan, started, workdir)
+        else:
+            row = check_model(spec, plan, peak, started, workdir)
+    except Exception as e:  # noqa: BLE001 - one model's failure is a result, not the end
+        row = {"model": spec.name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    finally:
+        cleanup(plan.device)
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny configurations on CPU, seconds")
     parser.add_argument("--out", help="JSON path (default: $OUT/gpu_check.json, else ./gpu_check.json)")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which no new sweep starts")
+    parser.add_argument("--only", action="append", default=None, help="run only this row (repeatable)")
+    parser.add_argument("--fail", default=None, help="make the row of this name fail on purpose (tests)")
+    parser.add_argument("--crash", default=None, help="kill the process in the row of this name (tests)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         plan = Plan(device="cpu", specs=SMOKE_SPECS, max_len=128, max_tokens=512, matmul_sizes=(256,),
-                    budget_s=args.budget or 120, notes=["cpu smoke: tiny sizes, graphs are the CPU stand-in"])
+                    budget_s=args.budget or 600, notes=["cpu smoke: tiny sizes, graphs are the CPU stand-in"])
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --cpu-smoke for the CPU smoke test", file=sys.stderr)
             return 2
         plan = Plan(device="cuda", specs=GPU_SPECS, max_len=512, max_tokens=8192, matmul_sizes=(4096, 8192),
                     budget_s=args.budget or 210)
+    if args.only:
+        unknown = set(args.only) - {s.name for s in plan.specs}
+        if unknown:
+            print(f"--only {sorted(unknown)}: no such row; rows: {[s.name for s in plan.specs]}", file=sys.stderr)
+            return 2
+        plan = dataclasses.replace(plan, specs=[s for s in plan.specs if s.name in args.only])
     try:
         import sentence_transformers  # noqa: F401
     except ImportError:
@@ -449,27 +631,29 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(os.environ.get("OUT") or ".") / "gpu_check.json"
     started = time.perf_counter()
     torch.manual_seed(0)
-    peak = matmul_peak(plan.device, "bfloat16", sizes=plan.matmul_sizes)
-    rows = []
+    report: dict = {"environment": environment(plan), "notes": plan.notes + [__doc__], "rows": []}
+    try:
+        peak = matmul_peak(plan.device, "bfloat16", sizes=plan.matmul_sizes)
+    except Exception as e:  # noqa: BLE001 - MFU is then unknown; every other figure still counts
+        peak, report["matmul_error"] = float("nan"), f"{type(e).__name__}: {e}"
+    report["matmul_bf16_flops"] = peak
+    rows = report["rows"]
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for spec in plan.specs:
-            t0 = time.perf_counter()
-            try:
-                row = check_model(spec, plan, peak, started, Path(tmp))
-            except Exception as e:  # noqa: BLE001 - one model's failure is a result, not the end
-                row = {"model": spec.name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            row["seconds"] = round(time.perf_counter() - t0, 1)
-            rows.append(row)
-            if plan.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    report = {"environment": environment(plan), "matmul_bf16_flops": peak, "notes": plan.notes + [__doc__],
-              "rows": rows, "targets": targets(rows), "seconds": round(time.perf_counter() - started, 1)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
+            print(f"row {spec.name} ...", flush=True)
+            rows.append(run_row(spec, plan, peak, started, Path(tmp), fail=args.fail, crash=args.crash))
+            report.update(targets=targets(rows), seconds=round(time.perf_counter() - started, 1),
+                          failed=failed_rows(rows), complete=False)
+            write_report(out, report)  # after every row: an error later keeps this one
+    report["complete"] = True
+    write_report(out, report)
     print(f"bf16 matmul: {peak / 1e12:.1f} TFLOP/s measured on {report['environment'].get('gpu', plan.device)}")
     print(table(rows))
     print(json.dumps(report["targets"]))
     print(f"wrote {out} in {report['seconds']} s")
+    if report["failed"]:
+        print(f"FAILED rows: {report['failed']} (details under rows[].error / rows[].errors in {out})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -114,7 +114,7 @@ def test_embed_prompt_dim_and_quantized_outputs(minilm_dir, tmp_path):
 
 
 @pytest.mark.parametrize("options, option, words", [
-    ({"dtype": "fp32"}, "dtype", "'fp32' is not one of float32, bfloat16, float16 (fix: set dtype to one of them)"),
+    ({"dtype": "fp32"}, "dtype", "'fp32' is not one of float32, bfloat16, float16, auto (fix: set dtype to one of them)"),
     ({"max_seqlen": 8}, "max_seqlen", "unknown option (fix: did you mean max_seq_len=?)"),
     ({"max_seq_len": 0}, "max_seq_len", "must be positive"),
     ({"normalize": "yes"}, "normalize", "true/false or one of auto"),

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from embedpipe.config import JobError, load_job, render_reference
+from embedpipe.config import JobError, load_job, render_reference, resolve_dtype
 from tests.conftest import QUICKSTART, ROOT, write_job
 
 
@@ -23,7 +23,8 @@ def _job(tmp_path: Path, **over):
 def test_valid_job_has_defaults(tmp_path):
     job = load_job(_job(tmp_path))
     assert job.input.text_column == "text" and job.batching.max_tokens == 8192
-    assert job.model.dtype == "float32" and job.cluster.address == "" and job.cluster.workers is None
+    assert resolve_dtype(job.model.dtype, device="cpu") == "float32"  # model.dtype auto: float32 on CPU
+    assert job.cluster.address == "" and job.cluster.workers is None
 
 
 def test_relative_paths_resolve_against_the_job_file(tmp_path):

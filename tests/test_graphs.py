@@ -113,6 +113,67 @@ def test_stand_in_output_is_static_like_a_cuda_graph():
     assert cache.nbytes == 3 * 4
 
 
+def sized(mib):
+    """A forward whose output stands for a graph of `mib` MiB (EagerGraphs sizes a graph by its output)."""
+    return lambda: torch.zeros(mib)
+
+
+def mib_of_output(out):
+    return out.numel() * MiB
+
+
+class Handles:
+    """An injected pool-handle factory: counts the pools made."""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self):
+        self.made.append(f"pool-{len(self.made)}")
+        return self.made[-1]
+
+
+def test_graphs_share_one_pool_that_holds_about_the_largest_graph():
+    """Private pools: 3 + 5 + 2 MiB > 8 MiB evicts; one shared pool holds max(3, 5, 2) = 5 MiB for all three."""
+    private = GraphCache(EagerGraphs(mib_of_output), max_graphs=10, max_bytes=8 * MiB)
+    for mib in (3, 5, 2):
+        private.run(mib, sized(mib))
+    assert list(private.graphs) == [5, 2] and private.nbytes == 7 * MiB and private.stats.evictions == 1
+
+    handles = Handles()
+    backend = EagerGraphs(mib_of_output, shared_pool=True, new_pool=handles)
+    shared = GraphCache(backend, max_graphs=10, max_bytes=8 * MiB)
+    for mib in (3, 5, 2):
+        assert shared.run(mib, sized(mib)).numel() == mib
+    assert list(shared.graphs) == [3, 5, 2] and shared.stats.evictions == 0
+    assert shared.nbytes == backend.pool_bytes == 5 * MiB  # the pool, not the sum (10 MiB)
+    assert handles.made == ["pool-0"] and backend.pools == ["pool-0"] * 3  # every capture into the one pool
+
+
+def test_shared_pool_count_cap_evicts_but_the_pool_keeps_its_size():
+    backend = EagerGraphs(mib_of_output, shared_pool=True, new_pool=Handles())
+    cache = GraphCache(backend, max_graphs=2, max_bytes=8 * MiB)
+    for mib in (4, 2, 3):
+        cache.run(mib, sized(mib))
+    assert list(cache.graphs) == [2, 3] and cache.stats.evictions == 1
+    assert cache.nbytes == 4 * MiB  # released blocks stay in the pool for the others
+
+
+def test_a_capture_that_grows_the_shared_pool_past_the_cap_gives_the_pool_back():
+    handles = Handles()
+    backend = EagerGraphs(mib_of_output, shared_pool=True, new_pool=handles)
+    cache = GraphCache(backend, max_graphs=10, max_bytes=8 * MiB)
+    cache.run(3, sized(3))
+    cache.run(5, sized(5))
+    assert cache.run(12, sized(12)).numel() == 12  # the pool would hold 12 MiB > 8: eager, and every graph goes
+    assert list(cache.graphs) == [] and cache.nbytes == 0 and handles.made == ["pool-0", "pool-1"]
+    assert 12 in cache.eager_keys and cache.stats.eager_runs == 1
+    cache.run(12, sized(12))
+    assert cache.stats.captures == 3 and cache.stats.eager_runs == 2  # never captured again
+    cache.run(5, sized(5))  # recaptured into the fresh pool on its next use
+    assert list(cache.graphs) == [5] and cache.nbytes == 5 * MiB and backend.pools[-1] == "pool-1"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphs_capture_replay_and_release():
     from embedpipe.runtime.graphs import CudaGraphs
@@ -129,3 +190,22 @@ def test_cuda_graphs_capture_replay_and_release():
     assert cache.graphs["a"].nbytes > 0
     cache.run("b", lambda: x * 2)  # count cap 1: "a" is released
     assert list(cache.graphs) == ["b"] and cache.stats.evictions == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_share_one_pool():
+    from embedpipe.runtime.graphs import CudaGraphs
+
+    x = torch.zeros(4096, device="cuda")
+    w = torch.randn(4096, 4096, device="cuda")
+    backend = CudaGraphs("cuda")
+    cache = GraphCache(backend, max_graphs=8, max_bytes=1 << 30)
+    outs = [cache.run(i, lambda i=i: ((x @ w).relu() * (i + 1)).sum(0, keepdim=True)) for i in range(4)]
+    assert cache.nbytes == backend.pool_bytes > 0
+    assert cache.nbytes < 4 * max(g.nbytes for g in cache.graphs.values())  # not one pool per graph
+    x.normal_()
+    for i in range(4):  # each output copied out before the next replay, as the runner does
+        got = cache.run(i, lambda: None).clone()
+        torch.testing.assert_close(got, ((x @ w).relu() * (i + 1)).sum(0, keepdim=True))
+    assert len(outs) == 4
+

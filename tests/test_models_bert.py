@@ -227,3 +227,21 @@ def test_plain_dir_head_defaults(tiny):
     head = lm.build_head()
     assert head.pooling == BertModel.default_pooling == "mean" and not head.normalize
     assert build_head(lm.spec, pooling="cls", normalize=True).pooling == "cls"
+
+
+def test_mean_pool_of_the_gpu_path_is_exact_in_a_long_pack():
+    """The GPU's fp32-only prefix sums (compensated) meet the bar of the fp64 ones above; forced here on CPU."""
+    from embedpipe.models.pooling import segment_means
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 256, (160,), generator=g)  # ~20k tokens
+    hidden = 6 + torch.randn(int(lens.sum()), 8, generator=g)
+    cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0))
+    want = torch.stack([h.double().mean(0) for h in hidden.split(lens.tolist())]).float()
+    got = segment_means(hidden, cu[:-1], cu[1:], lens, fp64=False)
+    assert got.dtype == torch.float32 and (got - want).abs().max().item() <= 1e-6
+    naive = torch.nn.functional.pad(hidden.cumsum(0), (0, 0, 1, 0))  # one fp32 cumsum, as vLLM's MeanPool
+    assert ((naive[cu[1:]] - naive[cu[:-1]]) / lens[:, None] - want).abs().max().item() > 1e-4  # the drift it fixes
+    bf16 = hidden.bfloat16()
+    want16 = torch.stack([h.double().mean(0) for h in bf16.split(lens.tolist())]).float()
+    assert (segment_means(bf16, cu[:-1], cu[1:], lens, fp64=False) - want16).abs().max().item() <= 1e-6

@@ -26,11 +26,13 @@ and passes it to every layer's `attention(..., plan=plan)` (None for backends th
 `varlen` and `flash` never read cu_seqlens on the host and take max_seqlen as a Python int, so
 they run inside CUDA graphs (the runner passes a static max_seqlen per bucket). "auto" picks
 flash, then varlen, then SDPA on CUDA (SDPA whenever the model is float32); matmul, then SDPA on CPU.
+flash counts as available only when flash-attn imports and its kernel runs one tiny call on the
+GPU, varlen only when torch's does (kernels/cuda.py `flash_problem`, `varlen_problem`); the
+choice is logged once with the reason each better backend was passed over.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Any, Callable
 
@@ -38,7 +40,9 @@ import torch
 from torch import Tensor
 
 from embedpipe.kernels.cpu import CpuPlan, _fused_rows, _matmul, _reference, _sdpa, plan_groups
-from embedpipe.kernels.cuda import _flash, _varlen, _varlen_kwargs, _varlen_params, _window_size
+from embedpipe.kernels.cuda import (
+    _flash, _varlen, _varlen_kwargs, _varlen_params, _window_size, flash_problem, probe_device, varlen_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +97,17 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# Which backends can run on a device kind; checked lazily (nothing GPU-only is imported).
+# Which backends can run on a device kind; checked lazily (nothing GPU-only is imported before this).
+_PROBLEMS: dict[str, Callable[[str | None], str | None]] = {
+    "varlen": lambda device: varlen_problem(device),
+    "flash": lambda device: flash_problem(device),
+}
 _AVAILABLE: dict[str, Callable[[bool], bool]] = {
     "reference": lambda on_cuda: True,
     "sdpa": lambda on_cuda: True,
     "matmul": lambda on_cuda: not on_cuda,
-    "varlen": lambda on_cuda: on_cuda and _cuda() and importlib.util.find_spec("torch.nn.attention.varlen") is not None,
-    "flash": lambda on_cuda: on_cuda and _cuda() and importlib.util.find_spec("flash_attn") is not None,
+    "varlen": lambda on_cuda: on_cuda and _cuda() and _PROBLEMS["varlen"](probe_device()) is None,
+    "flash": lambda on_cuda: on_cuda and _cuda() and _PROBLEMS["flash"](probe_device()) is None,
 }
 _AUTO_ORDER = ("flash", "varlen", "sdpa")  # best first
 _HALF_ONLY = frozenset({"flash", "varlen"})  # flash kernels: float16 / bfloat16 only
@@ -117,9 +125,11 @@ def available_backends(*, device: str, dtype: torch.dtype | None = None) -> list
 def select_backend(*, device: str, requested: str = "auto", dtype: torch.dtype | None = None) -> str:
     """Resolve "auto" or check a named backend against `device` and `dtype`; logs the choice once."""
     available = available_backends(device=device, dtype=dtype)
+    passed_over = ""
     if requested == "auto":
         order = _AUTO_ORDER if torch.device(device).type == "cuda" else _CPU_AUTO_ORDER
         choice = next(name for name in order if name in available)
+        passed_over = _passed_over(order[:order.index(choice)], device=device, dtype=dtype)
     elif requested not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {requested!r}; choose 'auto' or one of {list(BACKENDS)} "
@@ -132,6 +142,8 @@ def select_backend(*, device: str, requested: str = "auto", dtype: torch.dtype |
                 f"set model.dtype to bfloat16, or the attention backend to 'sdpa' or 'auto'"
             )
         hint = " (flash needs CUDA and `pip install 'embedpipe[gpu]'`)" if requested == "flash" else " (needs CUDA)"
+        if requested in _PROBLEMS and torch.device(device).type == "cuda" and _cuda():
+            hint = f" ({_PROBLEMS[requested](probe_device())})"
         raise ValueError(
             f"attention backend {requested!r} is not available on device {device!r}{hint}; "
             f"available here: {available}, or use 'auto'"
@@ -141,5 +153,20 @@ def select_backend(*, device: str, requested: str = "auto", dtype: torch.dtype |
     key = (device, requested, f"{choice} {dtype}")
     if key not in _logged:
         _logged.add(key)
-        logger.info("attention backend: %s (requested %s, device %s, dtype %s)", choice, requested, device, dtype)
+        broken = "does not import" in passed_over or "fails on" in passed_over  # installed, yet not usable here
+        logger.log(logging.WARNING if broken else logging.INFO, "attention backend: %s (requested %s, device %s, "
+                   "dtype %s)%s", choice, requested, device, dtype, passed_over)
     return choice
+
+
+def _passed_over(names: tuple[str, ...], *, device: str, dtype: torch.dtype | None) -> str:
+    """Why each backend before the choice in the auto order was not taken ("" when none was)."""
+    reasons = []
+    for name in names:
+        if name in _HALF_ONLY and dtype not in (None, torch.float16, torch.bfloat16):
+            reasons.append(f"{name}: float16/bfloat16 only")
+        elif name in _PROBLEMS and _cuda():
+            reasons.append(f"{name}: {_PROBLEMS[name](probe_device())}")
+        else:
+            reasons.append(f"{name}: needs CUDA")
+    return "; passed over " + "; ".join(reasons) if reasons else ""

@@ -26,12 +26,28 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 whatever the weight/activation dtype; returns the input dtype."""
+    """LayerNorm that accumulates in fp32 whatever the activation dtype; returns the input dtype.
+
+    fp32, and bf16/fp16 on CUDA: one F.layer_norm call on the input as it is (torch's kernel
+    accumulates half inputs in fp32: one fused kernel, no fp32 copies of the activations). bf16/fp16
+    on CPU: the input is upcast first (the CPU's low-precision paths are correctness paths, not fast
+    ones; tests pin that the CPU norm sees fp32). Both compute the same statistics in fp32.
+    """
 
     def forward(self, x: Tensor) -> Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, eps=self.eps)
+
+
+def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None, bias: Tensor | None, *, eps: float,
+               fused: bool | None = None) -> Tensor:
+    """F.layer_norm with fp32 statistics; ``fused`` (default: fp32 input or CUDA) passes the input as it is."""
+    if fused if fused is not None else (x.dtype == torch.float32 or x.is_cuda):
+        w = None if weight is None else weight.to(x.dtype)  # no-op when loaded in the model's dtype
+        b = None if bias is None else bias.to(x.dtype)
+        return F.layer_norm(x, shape, w, b, eps)
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), shape, w, b, eps).to(x.dtype)
 
 
 def matmul_params(module: nn.Module) -> int:
@@ -45,7 +61,11 @@ def attention_flops(*, layers: int, heads: int, head_dim: int, context: float) -
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Qwen3, Llama) computed in fp32 whatever the weight/activation dtype; returns the input dtype."""
+    """RMSNorm (Qwen3, Llama): x / rms(x) * weight with the mean square in fp32; returns the input dtype.
+
+    One F.rms_norm call on the input as it is: torch upcasts half inputs to fp32 for the statistics
+    and multiplies by the weight after casting back, as transformers' Qwen3RMSNorm does (on CUDA,
+    torch >= 2.8, one fused kernel)."""
 
     def __init__(self, dim: int, *, eps: float = 1e-6) -> None:
         super().__init__()
@@ -53,25 +73,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()  # [..., dim]
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # [..., dim]
 
 
-def rotary_cos_sin(positions: Tensor, *, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """positions [T] -> cos, sin [T, 1, head_dim // 2] fp32 for `apply_rotary` ("default" RoPE).
+def rotary_cos_sin(positions: Tensor, *, head_dim: int, theta: float,
+                   dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """positions [T] -> cos, sin [T, 1, head_dim // 2] in ``dtype`` (the activations') for `apply_rotary`
+    ("default" RoPE).
 
-    Same inverse frequencies as transformers: 1 / theta^(2i / head_dim). Computed per forward
-    from the positions (T * head_dim/2 trig ops, noise next to one matmul), so there is no
-    buffer to fill from the checkpoint and nothing cached that a longer sequence could outgrow.
+    Same inverse frequencies as transformers: 1 / theta^(2i / head_dim), angles and their cos/sin in
+    fp32, then cast to the activation dtype once per forward, as transformers' rotary embedding does.
+    Computed per forward from the positions (T * head_dim/2 trig ops, noise next to one matmul), so
+    there is no buffer to fill from the checkpoint and nothing cached that a longer sequence could outgrow.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
     freqs = positions.float()[:, None] * inv_freq  # [T, head_dim / 2]
-    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+    return freqs.cos()[:, None, :].to(dtype), freqs.sin()[:, None, :].to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D] rotated in fp32 by cos/sin [T, 1, D/2]; "rotate half" layout (GPT-NeoX, HF Llama/Qwen/ModernBERT):
-    dimension i pairs with i + D/2."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # 2 x [T, H, D/2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # [T, H, D]
+    """x [T, H, D] rotated by cos/sin [T, 1, D/2] in the activation dtype (transformers' rounding: each product,
+    then the sum); "rotate half" layout (GPT-NeoX, HF Llama/Qwen/ModernBERT): dimension i pairs with i + D/2."""
+    x1, x2 = x.chunk(2, dim=-1)  # 2 x [T, H, D/2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]

@@ -217,12 +217,12 @@ class ModernBertModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         c = self.config
-        rope = {
-            GLOBAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.global_rope_theta),  # 2 x [T, 1, D/2]
-            LOCAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.local_rope_theta),
-        }
-        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
+        rope = {  # in the activation dtype, as transformers applies RoPE
+            GLOBAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.global_rope_theta, dtype=x.dtype),
+            LOCAL: rotary_cos_sin(positions, head_dim=c.head_dim, theta=c.local_rope_theta, dtype=x.dtype),
+        }  # 2 x [T, 1, D/2] each
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         for layer in self.layers:
             x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]

@@ -28,9 +28,33 @@ def pool(hidden: Tensor, cu_seqlens: Tensor, *, mode: PoolingMode, skip: int = 0
     if mode == "last":
         return hidden[cu[1:] - 1].float()  # [B, H] last token
     if mode == "mean":
-        # Prefix sums in fp64: the difference of two fp32 running sums over the whole pack
-        # would carry an error that grows with the sequences packed before this one.
-        c = F.pad(hidden.double().cumsum(0), (0, 0, 1, 0))  # [T+1, H], c[i] = sum of rows < i
         lens = (cu[1:] - start).clamp(min=1)  # [B]; an empty rest sums to 0 -> a zero vector
-        return ((c[cu[1:]] - c[start]) / lens[:, None]).float()  # [B, H]
+        return segment_means(hidden, start, cu[1:], lens)  # [B, H]
     raise ValueError(f"pooling mode {mode!r} is not supported; choose one of {POOLING_MODES}")
+
+
+def segment_means(hidden: Tensor, start: Tensor, end: Tensor, lens: Tensor, *, fp64: bool | None = None) -> Tensor:
+    """hidden [T, H], start/end/lens [B] -> [B, H] fp32: the sum of rows [start, end) over lens, from prefix sums
+    over the pack.
+
+    One fp32 cumsum over the pack (vLLM's MeanPool) makes a sequence's sum the difference of two
+    running sums, whose rounding grows with everything packed before it (|error| ~ 2^-24 times the
+    running sum: 3e-3 on means of 6 after 20k tokens). Two exact ways out, one per device kind:
+
+    - GPU (``fp64`` False, the default off CPU): fp32 only. The rounding of each step is recovered:
+      ``lost[i] = h[i] - (c[i+1] - c[i])`` is what the running sum dropped at row i (exact where it
+      matters: late in the pack c[i+1] and c[i] are within a factor 2, so their difference is exact),
+      and its own prefix sum is small, so its rounding is negligible: sum = (c[e] - c[s]) + (l[e] - l[s]).
+      Two fp32 scans and a few elementwise ops, no fp64 (1/2 to 1/64 rate on GPUs); it holds for any
+      scan order (CUDA's cumsum is a parallel scan): only c's own values are used.
+    - CPU (``fp64`` True, the default there): one fp64 cumsum; doubles run at full rate on CPUs and one
+      scan beats two (MiniLM, an 8,190-token batch, one thread: 88 ms against 131 ms, next to a 14 s
+      forward on a loaded 2-core EPYC).
+    """
+    if fp64 if fp64 is not None else hidden.device.type == "cpu":
+        c = F.pad(hidden.double().cumsum(0), (0, 0, 1, 0))  # [T+1, H], c[i] = sum of rows < i
+        return ((c[end] - c[start]) / lens[:, None]).float()  # [B, H]
+    h = hidden.float()  # [T, H]; a no-op in fp32
+    c = F.pad(h.cumsum(0), (0, 0, 1, 0))  # [T+1, H], c[i] ~ sum of rows < i
+    lost = F.pad((h - (c[1:] - c[:-1])).cumsum(0), (0, 0, 1, 0))  # [T+1, H], what c dropped before row i
+    return ((c[end] - c[start]) + (lost[end] - lost[start])) / lens[:, None]  # [B, H]

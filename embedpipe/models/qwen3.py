@@ -200,9 +200,10 @@ class Qwen3Model(nn.Module):
         return self.config.max_seq_len
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta)  # 2 x [T, 1, D/2]
-        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids)  # [T, hidden]
+        rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta,
+                              dtype=x.dtype)  # 2 x [T, 1, D/2], in the activation dtype as transformers applies RoPE
+        plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         for layer in self.layers:
             x = layer(x, rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
         return self.norm(x)  # [T, hidden]

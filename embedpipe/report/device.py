@@ -60,8 +60,11 @@ def cpu_model() -> str:
 
 
 def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), probe: bool = True) -> DeviceInfo:
-    """Name this process's device ("cpu" or "cuda") and its measured peak FLOP/s per dtype."""
+    """Name this process's device ("cpu" or "cuda") and its measured peak FLOP/s per dtype (model.dtype values:
+    "auto" is probed as what it resolves to on this device, and keyed by that name)."""
     import torch
+
+    from embedpipe.config import resolve_dtype
 
     threads = torch.get_num_threads()
     if device == "cuda":
@@ -73,7 +76,8 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
     if not probe:
         return info
     try:
-        peaks = {dtype: cached_peak(info, dtype) for dtype in dict.fromkeys(("float32", *dtypes))}
+        names = dict.fromkeys(resolve_dtype(d, device=info.kind) for d in ("float32", *dtypes))
+        peaks = {dtype: cached_peak(info, dtype) for dtype in names}
     except Exception as exc:  # a failed probe costs the MFU figure, never the run
         log.warning("peak FLOP/s probe failed on %s (%s): MFU will be unknown", name, exc)
         return info

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedpipe.config import CostConfig
+from embedpipe.config import CostConfig, resolve_dtype
 from embedpipe.report.cost import cost_section, price_for, unit_of
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
@@ -55,8 +55,8 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     workers = [_worker(i, [s for s in spans if s.worker == i], dev, started_at=started_at, dtype=dtype, fpt=fpt)
                for i, dev in enumerate(devices)]
     worker_seconds = sum(w["seconds"] for w in workers)
-    peak_total = sum(d.peak_flops.get(dtype, 0.0) for d in devices) or None
-    encode_peak = sum(s.counters.stages.get("encode", 0.0) * devices[s.worker].peak_flops.get(dtype, 0.0)
+    peak_total = sum(_peak(d, dtype) for d in devices) or None
+    encode_peak = sum(s.counters.stages.get("encode", 0.0) * _peak(devices[s.worker], dtype)
                       for s in spans if s.worker < len(devices))
     prices = [price_for(d, cost) for d in devices for _ in range(d.count)]
     return {
@@ -115,7 +115,7 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
     for s in spans:
         c.merge(s.counters)
     seconds = sum(s.finished - s.started for s in spans)
-    peak = device.peak_flops.get(dtype)
+    peak = _peak(device, dtype) or None
     return {
         "worker": index,
         "host": device.host,
@@ -140,17 +140,23 @@ def _device_section(devices: list[DeviceInfo], dtype: str) -> dict:
         return {"kind": None, "name": None, "count": 0, "threads": None, "dtype": dtype, "peak_flops": None,
                 "peak_flops_total": None}
     count = sum(d.count for d in devices)
-    total = sum(d.peak_flops.get(dtype, 0.0) for d in devices)
+    total = sum(_peak(d, dtype) for d in devices)
+    resolved = {resolve_dtype(dtype, device=d.kind) for d in devices}
     return {
         "kind": devices[0].kind if len({d.kind for d in devices}) == 1 else "mixed",
         "name": " + ".join(dict.fromkeys(d.name for d in devices)),
         "count": count,  # GPUs, or CPU workers
         "threads": max(d.threads for d in devices),  # per worker
         "hosts": len({d.host for d in devices}),
-        "dtype": dtype,
+        "dtype": resolved.pop() if len(resolved) == 1 else dtype,  # model.dtype auto: what the workers ran
         "peak_flops": total / count if total else None,  # per device, measured
         "peak_flops_total": total or None,
     }
+
+
+def _peak(device: DeviceInfo, dtype: str) -> float:
+    """The device's measured peak in model.dtype as its worker ran it (auto: bfloat16 on CUDA, float32 on CPU)."""
+    return device.peak_flops.get(resolve_dtype(dtype, device=device.kind), 0.0)
 
 
 def _ratio(num: float, den: float | None) -> float | None:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedpipe.config import BatchingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig
+from embedpipe.config import BatchingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig, resolve_dtype
 from embedpipe.models import load_model
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
@@ -27,6 +27,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ENCODER_SECTIONS = ("model", "batching", "runtime")  # the job sections an encoder reads, with output.dim
 
 
+def matmul_precision(*, tf32: bool, dtype: str, device: str) -> str | None:
+    """torch.set_float32_matmul_precision's value when runtime.tf32 asks for TF32 (a float32 model on CUDA), else
+    None: torch's own setting stays (full float32 unless the process changed it)."""
+    return "high" if tf32 and dtype == "float32" and torch.device(device).type == "cuda" else None
+
+
 class Encoder:
     """Built from the job's ``model``, ``batching`` and ``runtime`` sections (their defaults live in
     embedpipe/config.py only) and ``output.dim``; ``threads``: torch intra-op threads, None leaves torch's."""
@@ -39,8 +45,13 @@ class Encoder:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if runtime.device == "auto" else runtime.device
         if self.device == "cpu" and runtime.cpu_keep_memory:
             keep_freed_memory()  # no page faults on every step's activations (see runtime/cpu.py)
+        self.dtype = resolve_dtype(model.dtype, device=self.device)  # model.dtype auto: bfloat16 on CUDA, float32 on CPU
+        precision = matmul_precision(tf32=runtime.tf32, dtype=self.dtype, device=self.device)
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)  # the whole process: a worker runs one encoder
+            log.info("runtime.tf32: float32 matmuls may use TF32 tensor cores on %s", self.device)
         self.model_dir = resolve_model_path(model.path)
-        self.loaded = load_model(self.model_dir, dtype=DTYPES[model.dtype], device=self.device,
+        self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         if self.device == "cpu":
             use_onednn_linears(self.loaded.model)  # AVX-512 float32 GEMMs where MKL runs AVX2 (see runtime/cpu.py)
@@ -61,7 +72,7 @@ class Encoder:
         self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_seq_len=self.max_seq_len,
                                    batching=batching, runtime=runtime)
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
-                 model.dtype, self.runner.name, self.dim, self.max_seq_len)
+                 self.dtype, self.runner.name, self.dim, self.max_seq_len)
         self.warmup = warmup_guard(self) if runtime.warmup_check else None  # raises WarmupDivergence
 
     @classmethod

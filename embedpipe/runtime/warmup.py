@@ -112,12 +112,28 @@ def check(*, fast: Runner, reference: Runner, batches: list[Batch], rows: int, t
     return report
 
 
+class FullFloat32:
+    """A synchronous runner whose matmuls run in full float32 even where runtime.tf32 set TF32 for the process:
+    the reference must not share the fast path's shortcuts."""
+
+    def __init__(self, runner: EagerRunner):
+        self.runner, self.name = runner, runner.name
+
+    def submit(self, batch: Batch):
+        previous = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")
+        try:
+            return self.runner.submit(batch)  # EagerRunner: the result is on the host when this returns
+        finally:
+            torch.set_float32_matmul_precision(previous)
+
+
 def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | None:
     """The check for a built Encoder; None when its runner is the float32 eager reference itself."""
     from embedpipe.models import load_model
 
     settings = encoder.model_config
-    if isinstance(encoder.runner, EagerRunner) and settings.dtype == "float32":
+    if isinstance(encoder.runner, EagerRunner) and encoder.dtype == "float32":  # the resolved dtype (model.dtype auto)
         return None
     texts = sample_texts()
     batches = encoder.packer(encoder.tokenizer(texts))
@@ -126,9 +142,9 @@ def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | Non
     head = ref.build_head(pooling=settings.pooling, normalize=settings.normalize,
                           dim=encoder.head.dim, skip_tokens=encoder.head.skip_tokens)
     try:
-        return check(fast=encoder.runner, reference=EagerRunner(ref.model, head, device=encoder.device),
+        return check(fast=encoder.runner, reference=FullFloat32(EagerRunner(ref.model, head, device=encoder.device)),
                      batches=batches, rows=len(texts), tolerance=tolerance,
-                     what=f"{encoder.runner.name} {settings.dtype} path on {encoder.device}")
+                     what=f"{encoder.runner.name} {encoder.dtype} path on {encoder.device}")
     finally:
         del ref, head
         if torch.device(encoder.device).type == "cuda":
