@@ -63,3 +63,35 @@ def test_comparison_side_by_side_with_ratios_and_scaling():
     # B: 1.667x the tokens/s with 2/3 of the workers = 2.5x per worker
     assert next(l for l in text.splitlines() if l.startswith("tokens/s per worker")).endswith("2.500x")
     assert "last night" in text and "tonight" in text
+
+
+def test_the_per_worker_table_names_the_ray_node_and_the_retried_units():
+    """Each slot's Ray node(s) in order (a replacement elsewhere adds one), each lost attempt with its cause
+    and node; "none" when nothing was retried."""
+    from dataclasses import replace
+
+    from embedpipe.config import CostConfig
+    from embedpipe.report.counters import Counters
+    from embedpipe.report.device import DeviceInfo
+    from embedpipe.report.metrics import UnitSpan, run_metrics
+
+    assert _value(render_table({**sample_report(), "units": {**sample_report()["units"], "retried_units": []}}),
+                  "retried units") == "none"
+    cpu = DeviceInfo(kind="cpu", name="Test CPU", host="h", peak_flops={"float32": 1e10})
+    span = UnitSpan(0, 1.0, 2.0, Counters(rows=10, tokens=100, padded_tokens=100, stages={"encode": 1.0}))
+    spans = [replace(span, node="10.0.0.7/3f2a9c1b"), replace(span, started=3.0, finished=4.0, node="10.0.0.8/77aa01cd"),
+             replace(span, started=5.0, finished=6.0, node="10.0.0.8/77aa01cd")]
+    metrics = run_metrics({"tokens": 300, "padded_tokens": 300}, this_run=Counters(tokens=300), spans=spans,
+                          devices=[cpu], started_at=0.0, wall_seconds=6.0, dtype="float32", model_config=None,
+                          cost=CostConfig())
+    assert metrics["per_worker"][0]["node"] == "10.0.0.7/3f2a9c1b + 10.0.0.8/77aa01cd"
+    lost = {"unit": "00000-00004", "file": "a.parquet", "attempt": 1, "cause": "died", "error": "ActorDiedError",
+            "worker": 0, "node": "10.0.0.7/3f2a9c1b"}
+    r = sample_report()
+    r["units"]["retried_units"] = [lost] * 7
+    r["per_worker"] = metrics["per_worker"]
+    table, md = render_table(r), render_markdown(r)
+    for text in (table, md):
+        assert _value(text, "retried units") == "00000-00004 (worker died on 10.0.0.7/3f2a9c1b), " * 4 + \
+            "00000-00004 (worker died on 10.0.0.7/3f2a9c1b) and 2 more"
+    assert "| ray node |" in md and "10.0.0.7/3f2a9c1b + 10.0.0.8/77aa01cd" in table
