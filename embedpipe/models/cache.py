@@ -46,8 +46,9 @@ class ModelFile:
 
 def cache_root() -> Path:
     """``$EMBEDPIPE_CACHE_DIR/models`` (default ``$XDG_CACHE_HOME/embedpipe/models``, ``~/.cache/embedpipe/models``)."""
-    base = os.environ.get("EMBEDPIPE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "embedpipe"
-    return Path(base).expanduser() / "models"
+    from embedpipe.io.cache import cache_dir
+
+    return cache_dir() / "models"
 
 
 def cached_model(digest: str, files: Iterable[ModelFile], *, root: Path | None = None) -> Path | None:
