@@ -96,3 +96,25 @@ def test_the_warmup_reference_runs_full_float32_under_tf32(monkeypatch):
         assert seen == ["highest"] and torch.get_float32_matmul_precision() == "high"  # restored
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_the_driver_settles_auto_where_it_knows_the_device(minilm_dir, small_corpus, tmp_path):
+    """An embedded CPU run fingerprints float32, as outputs made before `auto` did: they resume unchanged,
+    and the same output continued on CUDA (bfloat16) is another job, never a mix."""
+    from embedpipe.cluster.driver import settle_dtype
+    from embedpipe.config import parse_job
+    from embedpipe.io.manifest import job_fingerprint
+
+    def job(**sections):
+        return parse_job({"input": {"path": str(small_corpus[1])}, "model": {"path": str(minilm_dir)},
+                          "output": {"path": str(tmp_path / "out")}, **sections})
+
+    assert settle_dtype(job()).model.dtype == "float32"  # no GPU here
+    assert settle_dtype(job(runtime={"device": "cuda"})).model.dtype == "bfloat16"
+    assert settle_dtype(job(model={"path": str(minilm_dir), "dtype": "float16"})).model.dtype == "float16"
+    assert settle_dtype(job(cluster={"address": "auto"})).model.dtype == "auto"  # the workers decide
+    old = job(model={"path": str(minilm_dir), "dtype": "float32"})
+    assert (job_fingerprint(settle_dtype(job()), files=[str(small_corpus[1])], model_dir=minilm_dir)["sha256"]
+            == job_fingerprint(old, files=[str(small_corpus[1])], model_dir=minilm_dir)["sha256"])
+    assert (job_fingerprint(settle_dtype(job(runtime={"device": "cuda"})), files=[str(small_corpus[1])], model_dir=minilm_dir)["sha256"]
+            != job_fingerprint(old, files=[str(small_corpus[1])], model_dir=minilm_dir)["sha256"])

@@ -21,13 +21,13 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import connect, plan_workers
+from embedpipe.cluster.connect import connect, plan_workers, submitted_job_address
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
 from embedpipe.cluster.worker import EmbedWorker, Incremental
-from embedpipe.config import JobSpec
+from embedpipe.config import JobSpec, resolve_dtype
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
 from embedpipe.io.fs import use_job_storage
@@ -63,6 +63,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     SIGTERM (Airflow, Kubernetes) stops it as Ctrl-C does: the lock is released, Ray shut down, finished
     units kept; it raises `Interrupted` with how many of the plan's units are done.
     """
+    job = settle_dtype(job)
     with _signals_interrupt():
         use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
@@ -75,6 +76,25 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
             raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
                               total=len(plan.units)) from None
+
+
+def settle_dtype(job: JobSpec) -> JobSpec:
+    """``model.dtype: auto`` decided on the driver wherever the workers' device is known here: from an explicit
+    ``runtime.device``, or on the embedded local Ray from this machine (its GPUs are the workers'). The job's
+    fingerprint, every worker and the report then carry the real dtype: an output written in float32 on CPU
+    resumes under ``auto`` (the default before ``auto`` was float32), and the same output continued on GPU
+    workers is another job, never a mix of float32 and bfloat16 vectors. On a joined cluster with
+    ``runtime.device: auto`` the workers decide; set model.dtype or runtime.device to pin it there."""
+    if job.model.dtype != "auto":
+        return job
+    device = job.runtime.device
+    if device == "auto":
+        if job.cluster.address or submitted_job_address():
+            return job
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return job.replace(model={"dtype": resolve_dtype("auto", device=device)})
 
 
 @contextmanager
