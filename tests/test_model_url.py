@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.config import REDACTED, parse_job
+from embedpipe.io.model_download import ModelCopy, download_model
 from embedpipe.io.manifest import job_fingerprint, model_files, model_fingerprint
 from embedpipe.models.resolve import resolve_model_path
 from conftest import S3_SECRET, write_job
@@ -51,7 +52,14 @@ def test_url_model_downloads_once_and_again_when_an_object_changes(s3_model, s3_
     before = _snapshot(first)
     again = resolve_model_path(s3_model + "/", storage_options=s3_options)
     assert again == first and _snapshot(again) == before  # a cache hit: nothing downloaded
+    assert download_model(s3_model) == ModelCopy(first, ())  # (the options are this store's since the resolve)
     assert [p.name for p in (cache / "downloads").iterdir()] == [first.name]  # no temp folder left
+
+    (first / "tokenizer.json").write_bytes(b"{}")  # a copy cut by hand is downloaded again
+    repaired = download_model(s3_model)
+    assert repaired.dir == first and repaired.downloaded == tuple(local)
+    assert model_fingerprint(first) == model_fingerprint(minilm_dir)
+    before = _snapshot(first)
 
     changed = json.loads((minilm_dir / "config_sentence_transformers.json").read_text()) | {"note": "re-uploaded"}
     s3fs.S3FileSystem(**s3_options, skip_instance_cache=True).pipe_file(

@@ -6,7 +6,7 @@ fingerprint hashes by). The key is the sha256 of the URL and the listing of thos
 store's version stamps: ETag, modification time), so a second resolve of unchanged objects is one LIST and
 downloads nothing, and a changed object gets a new copy. A copy is downloaded into a temp folder beside its
 final name and renamed into place whole; the listing is read again after the download, and a model changed
-meanwhile is refused rather than mixed.
+meanwhile is refused rather than mixed. A copy whose files were cut or removed by hand is downloaded again.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def download_model(url: str) -> ModelCopy:
     key = _key(url, listing)
     final = cache_dir() / DOWNLOADS / key
     if final.is_dir():
-        return ModelCopy(final, ())
+        if _complete(final, listing):
+            return ModelCopy(final, ())
+        shutil.rmtree(final, ignore_errors=True)  # cut or removed by hand: fetched again
     final.parent.mkdir(parents=True, exist_ok=True)
     work = final.with_name(f".{key}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -82,6 +84,15 @@ def _listing(url: str) -> tuple[object, str, dict[str, dict]]:
             f"config.json, tokenizer.json and *.safetensors, names ending {', '.join(MODEL_SUFFIXES)}): point "
             f"model.path at the folder the model was uploaded to, e.g. s3://bucket/models/all-MiniLM-L6-v2/")
     return fsys, root, {name: _version(infos[name]) for name in names}
+
+
+def _complete(folder: Path, listing: dict[str, dict]) -> bool:
+    """Every listed file is in ``folder`` with its listed size (a look at each file's size, no hashing)."""
+    for name, version in listing.items():
+        path = folder.joinpath(*name.split("/"))
+        if not path.is_file() or (version["size"] is not None and path.stat().st_size != version["size"]):
+            return False
+    return True
 
 
 def _version(info: dict) -> dict:
