@@ -122,3 +122,16 @@ def test_url_model_through_the_cli(s3_model, s3_options, small_corpus, parquet_c
     for file in out.rglob("*"):
         if file.is_file():
             assert S3_SECRET.encode() not in file.read_bytes(), file
+
+
+def test_access_denied_on_a_model_url_names_the_model_fields():
+    """The fix of a denied read names model.path's permissions (the model section is read-only, like input)."""
+    from embedpipe.errors import StorageError
+    from embedpipe.io import fs
+
+    with pytest.raises(StorageError) as caught:
+        with fs.remote_errors("s3://models-bucket/minilm/model.safetensors", action="read", section="model"):
+            raise PermissionError("Access Denied")
+    line = caught.value.line()
+    assert "grant s3:GetObject on arn:aws:s3:::models-bucket/minilm/model.safetensors*" in line
+    assert "model.path needs s3:ListBucket, s3:GetObject" in line
