@@ -107,8 +107,12 @@ class InputConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = opt(doc="A local model directory (Hugging Face / sentence-transformers layout) or a hub name "
-                        "resolved offline from an installed model package or the local HF cache.", path="hub")
+    path: str = opt(doc="A local model directory (Hugging Face / sentence-transformers layout), a hub name "
+                        "resolved offline from an installed model package or the local HF cache, or the URL of a "
+                        "model folder (`s3://bucket/models/all-MiniLM-L6-v2/`, any fsspec protocol): the driver "
+                        "downloads the files a worker reads once into the local cache (`downloads/`), and reuses "
+                        "that copy while the objects are unchanged.", path="hub")
+    storage_options: dict[str, Any] = opt({}, STORAGE_DOC.format(section="model"))
     max_seq_len: int | None = opt(None, "Truncate longer texts to this many tokens (special tokens included); "
                                         "null: the model's sentence-transformers max length, else its position limit.")
     dtype: Dtype = opt("auto", "Compute dtype of the encoder; auto: bfloat16 on a GPU, float32 on CPU (decided on the "
@@ -338,7 +342,7 @@ class JobSpec:
     def record(self) -> dict[str, Any]:
         """``to_dict`` as embedpipe writes it down (job.json, index.json): storage_options' secrets redacted."""
         raw = self.to_dict()
-        for section in ("input", "output"):
+        for section in ("input", "model", "output"):
             raw[section]["storage_options"] = redact_storage_options(raw[section]["storage_options"])
         return raw
 

@@ -153,7 +153,7 @@ def plan_model(job: JobSpec) -> ModelPlan:
     from embedpipe.models.st import model_dim, read_st_spec
 
     try:
-        model_dir = resolve.resolve_model_path(job.model.path)
+        model_dir = resolve.resolve_model_path(job.model.path, storage_options=job.model.storage_options)
     except resolve.ModelNotFound as exc:
         raise ModelError(f"model.path: {exc}") from None
     try:

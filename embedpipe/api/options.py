@@ -41,6 +41,6 @@ def _check_against_model(job: JobSpec) -> None:
     from embedpipe.models.st import model_dim, read_st_spec
     from embedpipe.preflight import check_model_options
 
-    root = resolve_model_path(job.model.path)  # ModelNotFound names the model and the fix
+    root = resolve_model_path(job.model.path, storage_options=job.model.storage_options)  # ModelNotFound: one line
     spec = read_st_spec(root, allow_pickle=job.model.allow_pickle)
     check_model_options(job, spec=spec, dim=model_dim(root, spec))

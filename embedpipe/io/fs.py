@@ -60,10 +60,11 @@ def use_storage_options(url: str, options: Mapping[str, Any]) -> None:
 
 
 def use_job_storage(job) -> None:
-    """The job's ``input.storage_options`` and ``output.storage_options`` for its input and output stores.
+    """The job's ``model.storage_options``, ``input.storage_options`` and ``output.storage_options`` for its
+    model, input and output stores (one store in two sections: the input's or output's options win).
 
     Called wherever a job starts to touch its stores: the driver's run, each worker, each Ray task."""
-    for section in ("input", "output"):
+    for section in ("model", "input", "output"):
         cfg = getattr(job, section)
         use_storage_options(cfg.path, cfg.storage_options)
         if is_url(cfg.path):
@@ -184,6 +185,10 @@ def read_text(path: str) -> str:
         return f.read().decode("utf-8")
 
 
+# what fsspec's ``info`` of an object may say about its version (backends name it differently)
+STAMP_KEYS = ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "created")
+
+
 def stamp(path: str) -> dict:
     """What identifies this version of a file for the manifest's fingerprint.
 
@@ -196,8 +201,7 @@ def stamp(path: str) -> dict:
     fsys, inner = filesystem(path)
     with remote_errors(path):
         info = fsys.info(inner)
-    keys = ("mtime", "LastModified", "last_modified", "updated", "ETag", "etag", "created")
-    modified = next((info[k] for k in keys if info.get(k) is not None), None)
+    modified = next((info[k] for k in STAMP_KEYS if info.get(k) is not None), None)
     return {"path": path, "size": info.get("size"), "modified": str(modified)}
 
 
@@ -446,7 +450,7 @@ _PERMISSIONS = {
            "delete": "storage.objects.delete"},
 }
 _PERMISSIONS["gcs"] = _PERMISSIONS["gs"]
-_NEEDS = {"input": ("list", "read"), "output": ("list", "read", "write", "delete")}
+_NEEDS = {"input": ("list", "read"), "model": ("list", "read"), "output": ("list", "read", "write", "delete")}
 
 
 def _permission_fix(url: str, protocol: str, action: str, fields: _Fields) -> str:

@@ -22,8 +22,8 @@ import logging
 import os
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable
 
 from embedpipe.io.cache import cache_dir
 from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # that do not change a stored vector (how the FAISS index is built from the parts, how many versions stay):
 # changing those reuses every finished unit, and a rerun builds the index anew from the same parts.
 # storage_options say how to reach the store (endpoint, credentials), never what is in it, and are not written.
-FINGERPRINT_SKIP = {"input": {"path", "storage_options"}, "model": {"path"},
+FINGERPRINT_SKIP = {"input": {"path", "storage_options"}, "model": {"path", "storage_options"},
                     "output": {"path", "storage_options", "format", "index", "index_memory_gb", "target_recall", "keep_versions"}}
 # Files of a model folder that a worker reads (weights, configs, tokenizer, vocabularies); the rest (README,
 # ONNX/OpenVINO exports, TF/Flax weights) cannot change a vector and is left out of the model's hash.
@@ -98,17 +98,26 @@ class HashCache:
 
 def model_files(model_dir: Path) -> list[Path]:
     """The files of a model folder that can change its vectors, in a stable order."""
-    files = []
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        parts = path.relative_to(model_dir).parts
-        if any(part.startswith(".") for part in parts) or parts[0] in MODEL_SKIP_DIRS:
+    names = [p.relative_to(model_dir).as_posix() for p in model_dir.rglob("*") if p.is_file()]
+    return [model_dir / name for name in select_model_files(names)]
+
+
+def select_model_files(names: Iterable[str]) -> list[str]:
+    """Of a model folder's files (``/``-separated names relative to the folder: a local folder's walk or an
+    object store's listing), those a worker reads, sorted: the one rule of what belongs to a model."""
+    names = sorted(set(names), key=lambda n: PurePosixPath(n).parts)  # a folder's walk order: the hash's order
+    safetensors_dirs = {posixpath.dirname(n) for n in names if PurePosixPath(n).suffix == ".safetensors"}
+    chosen = []
+    for name in names:
+        path = PurePosixPath(name)
+        if any(part.startswith(".") for part in path.parts) or path.parts[0] in MODEL_SKIP_DIRS:
             continue
         if path.suffix not in MODEL_SUFFIXES:
             continue
-        if path.suffix == ".bin" and any(path.parent.glob("*.safetensors")):
+        if path.suffix == ".bin" and posixpath.dirname(name) in safetensors_dirs:
             continue  # pickled weights beside safetensors are never read
-        files.append(path)
-    return files
+        chosen.append(name)
+    return chosen
 
 
 def model_fingerprint(model_dir: Path, *, cache: HashCache | None = None) -> str:

@@ -50,7 +50,7 @@ class Encoder:
         if precision is not None:
             torch.set_float32_matmul_precision(precision)  # the whole process: a worker runs one encoder
             log.info("runtime.tf32: float32 matmuls may use TF32 tensor cores on %s", self.device)
-        self.model_dir = resolve_model_path(model.path)
+        self.model_dir = resolve_model_path(model.path, storage_options=model.storage_options)
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         if self.device == "cpu":
