@@ -44,6 +44,16 @@ def test_options_apply_per_store_in_this_process():
     assert fs.storage_options("/local/path") == {}
 
 
+def test_an_unknown_storage_option_is_one_line_naming_the_options(tmp_path):
+    from embedpipe.errors import StorageError
+
+    fs.use_storage_options("s3://store-c", {"retries": 3, "secret": "x-77f", "endpoint_url": "http://127.0.0.1:1"})
+    with pytest.raises(StorageError, match=r"^s3://store-c/a.parquet: a storage option is not one s3:// takes .*"
+                                           r"\(endpoint_url, retries, secret\)") as caught:
+        fs.expand("s3://store-c/a.parquet")
+    assert "x-77f" not in str(caught.value)
+
+
 @pytest.mark.slow
 def test_s3_input_through_the_cli_with_job_storage_options(s3_bucket, s3_options, small_corpus, parquet_cli_vectors,
                                                            tmp_path):

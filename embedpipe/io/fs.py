@@ -91,6 +91,14 @@ def remote_errors(url: str, *, action: str = "read", section: str | None = None)
     section(s) whose path is in this store."""
     try:
         yield
+    except TypeError as exc:  # a storage option the backend does not take (raised at its first request)
+        options = storage_options(url)
+        if "unexpected keyword argument" not in str(exc) or not options:
+            raise
+        protocol = str(url).split("://", 1)[0]
+        raise StorageError(f"{url}: a storage option is not one {protocol}:// takes ({exc}): check the names "
+                           f"in the job's storage_options ({', '.join(sorted(options))}) against the fsspec "
+                           f"backend's documentation") from None
     except _storage_errors() as exc:
         if isinstance(exc, StorageError):
             raise
