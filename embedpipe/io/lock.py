@@ -186,7 +186,7 @@ def _stale(holder: dict | None, *, age: float) -> bool:
     if holder is None or age > STALE_SECONDS:
         return True
     if holder.get("host") == socket.gethostname():
-        return not _pid_alive(int(holder.get("pid", -1)))
+        return not pid_alive(int(holder.get("pid", -1)))
     return False
 
 
@@ -213,7 +213,8 @@ def _parse(text: str | bytes) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with this pid is alive (one we may not signal is)."""
     if pid <= 0:
         return False
     try:

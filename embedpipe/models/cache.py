@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from embedpipe.errors import RunError
+from embedpipe.io.lock import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +128,6 @@ def _sweep_dead_temps(root: Path, digest: str) -> None:
     host = socket.gethostname()
     for tmp in root.glob(f".{digest}.{host}.*.tmp"):
         pid = tmp.name[len(f".{digest}.{host}."):].split(".", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             log.info("model cache: removing %s, left by a writer that died", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
