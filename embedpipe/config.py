@@ -117,7 +117,7 @@ class ModelConfig:
                                         "null: the model's sentence-transformers max length, else its position limit.")
     dtype: Dtype = opt("auto", "Compute dtype of the encoder; auto: bfloat16 on a GPU, float32 on CPU (decided on the "
                                "driver for the embedded local Ray or an explicit runtime.device, and fingerprinted as "
-                               "decided; on a joined cluster by each worker for its device). Layer norms, softmax and pooling accumulate in float32.")
+                               "decided; on a joined cluster by each worker for its device: pin it when one output is written both ways). Layer norms, softmax and pooling accumulate in float32.")
     pooling: Pooling = opt("auto", "auto: what the model's sentence-transformers config says (mean for encoders without one).")
     normalize: bool | Literal["auto"] = opt("auto", "L2-normalise vectors; auto: what the model's sentence-transformers config says.")
     allow_pickle: bool = opt(False, "Also read pickled weights (`pytorch_model.bin`, with torch.load(weights_only=True)) "

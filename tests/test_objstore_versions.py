@@ -66,7 +66,9 @@ def test_a_night_killed_before_promotion_leaves_current_and_the_rerun_promotes(
     def job(address: str = "") -> Path:
         return write_job(tmp_path / f"nightly{'-sub' if address else ''}.yaml",
                          input={"path": str(data), "unit_rows": 20},
-                         model={"path": MODEL, "max_seq_len": 64}, batching={"max_tokens": 2048},
+                         # dtype pinned: night 2 joins the session's Ray by address, where `auto` is the
+                         # workers' to decide, and the rerun is embedded; both must be the same job
+                         model={"path": MODEL, "max_seq_len": 64, "dtype": "float32"}, batching={"max_tokens": 2048},
                          output={"path": root, "storage_options": s3_options, "versioned": True,
                                  "incremental": True, "keep_versions": 2},
                          cluster={"workers": 1, "cpus_per_worker": 1, "address": address})

@@ -120,9 +120,9 @@ def test_the_model_is_resolved_once_per_run(tmp_path, ray_session, quickstart_ta
     calls = []
     real = resolve.resolve_model_path
 
-    def counting(name):
+    def counting(name, **options):
         calls.append(name)
-        return real(name)
+        return real(name, **options)
 
     monkeypatch.setattr(resolve, "resolve_model_path", counting)
     data = tmp_path / "data.parquet"
