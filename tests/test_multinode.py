@@ -8,12 +8,13 @@ through the real CLI with ``cluster.address`` set to the cluster's address:
 
 - A (float32): the model is a copy of MiniLM in a tmp folder; a hook renames that folder away as soon
   as the driver has put it in the object store, so a worker that read ``model.path`` would fail.
-- B (int8: the calibration task loads the model too, with its folder renamed away as well): a node
-  hosting a worker is removed once two units are done.
+- B (int8: the calibration task loads the model too, with its folder renamed away as well): once two
+  units are done, the node of the worker just handed the next unit is removed (from the driver's loop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -189,12 +189,10 @@ def _main(work: Path) -> None:
             job = work / f"{name}.yaml"
             job.write_text(job.read_text().replace("ADDRESS", cluster.address))
             removed: list[str] = []
-            if name == "b":
-                threading.Thread(target=_remove_a_worker_node, args=(cluster, nodes, work / "out_b", removed),
-                                 daemon=True).start()
             moved.clear()
             began = time.perf_counter()
-            result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+            with _removing_a_busy_node(cluster, nodes, removed) if name == "b" else contextlib.nullcontext():
+                result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
             answer[name] = {"exit_code": result.exit_code, "output": result.output, "moved": list(moved),
                             "removed": removed[0] if removed else None, "seconds": round(time.perf_counter() - began, 1)}
     finally:
@@ -202,21 +200,44 @@ def _main(work: Path) -> None:
     print(json.dumps(answer), flush=True)
 
 
-def _remove_a_worker_node(cluster, nodes: list, out: Path, removed: list[str]) -> None:
-    """Once two units are done, remove a (non-head) node that hosts a live worker."""
+@contextlib.contextmanager
+def _removing_a_busy_node(cluster, nodes: list, removed: list[str]):
+    """While inside: once two units are done, the driver's scheduler hands the next unit to a worker on a
+    (non-head) node and that node is removed at once, before any other unit is handed out. Done in the
+    driver's own loop (the run is in this process), so the lost unit is in flight by construction: no
+    race with a job that finishes fast."""
     from ray._private import state
 
-    from embedpipe.cluster.scheduler import node_label
-    from tests.test_reliability import _records
+    from embedpipe.cluster.scheduler import Scheduler, node_label
 
-    deadline = time.time() + 300
-    while _records(out) < 2 and time.time() < deadline:
-        time.sleep(0.05)
-    hosting = {a["Address"]["NodeID"] for a in state.actors().values()
-               if a["ActorClassName"] == "EmbedWorker" and a["State"] == "ALIVE"}
-    victim = next(n for n in nodes if n.node_id in hosting)
-    removed.append(node_label(victim.node_ip_address, victim.node_id))
-    cluster.remove_node(victim, allow_graceful=False)
+    fill, finished, done = Scheduler._fill, Scheduler._finished, [0]
+    by_id = {n.node_id: n for n in nodes}
+
+    def counting(self, slot):
+        result = finished(self, slot)
+        done[0] += result is not None
+        return result
+
+    def fill_then_remove(self):
+        before = {s.index: s.ref for s in self._slots}
+        fill(self)
+        if removed or done[0] < 2:
+            return
+        for slot in self._slots:
+            if slot.ref is None or slot.ref is before.get(slot.index):
+                continue  # idle, or a unit handed out earlier (it may be finishing)
+            node_id = (state.actors(slot.actor._actor_id.hex()).get("Address") or {}).get("NodeID")
+            if node_id in by_id:
+                victim = by_id[node_id]
+                removed.append(node_label(victim.node_ip_address, victim.node_id))
+                cluster.remove_node(victim, allow_graceful=False)
+                return
+
+    Scheduler._fill, Scheduler._finished = fill_then_remove, counting
+    try:
+        yield
+    finally:
+        Scheduler._fill, Scheduler._finished = fill, finished
 
 
 if __name__ == "__main__":
