@@ -1,0 +1,115 @@
+"""embedpipe.json at an output's root and the same record in every part's Parquet schema metadata: the resolved
+facts of the vectors (model, dim, dtype, normalisation, metric, pooling, max_seq_len, prompt, calibration)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+import embedpipe
+from embedpipe.cli import app
+from embedpipe.config import load_job
+from embedpipe.io.describe import METADATA_KEY, read_description
+from embedpipe.io.layout import OutputLayout
+from embedpipe.preflight import preflight
+from tests.conftest import write_job
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, quickstart_table) -> Path:
+    path = tmp_path_factory.mktemp("describe_corpus") / "corpus.parquet"
+    pq.write_table(quickstart_table.slice(0, 120).select(["id", "text"]), path, row_group_size=60)
+    return path
+
+
+def _run(folder: Path, corpus: Path, **output) -> Path:
+    out = folder / "out"
+    job = write_job(folder / "job.yaml", input={"path": str(corpus), "unit_rows": 60}, model={"path": MODEL},
+                    batching={"max_tokens": 4096}, cluster={"workers": 1, "cpus_per_worker": 1},
+                    output={"path": str(out), **output})
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _record_and_parts(out: Path) -> tuple[dict, list[dict]]:
+    layout = OutputLayout(out)
+    record = json.loads(Path(layout.description).read_text())
+    parts = [json.loads(pq.read_schema(p).metadata[METADATA_KEY]) for p in layout.parts()]
+    assert len(parts) == 2
+    return record, parts
+
+
+def _assert_model(record: dict, minilm_dir: Path) -> None:
+    model = record["model"]
+    assert model["name"] == MODEL and Path(model["path"]) == minilm_dir
+    assert re.fullmatch(r"[0-9a-f]{64}", model["sha256"])
+    assert set(model["weights"]) == {"model.safetensors"}
+    import hashlib
+
+    assert model["weights"]["model.safetensors"] == hashlib.sha256(
+        (minilm_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert record["embedpipe_version"] == embedpipe.__version__ and record["format_version"] == 1
+    assert record["pooling"] == "mean" and record["max_seq_len"] == 256  # the model's, resolved
+    assert record["prompt"] == "" and record["query_prompt"] == "" and record["chunking"] is None
+
+
+@pytest.mark.slow
+def test_a_float_output_describes_itself(tmp_path, corpus, minilm_dir, ray_session):
+    out = _run(tmp_path, corpus)
+    record, parts = _record_and_parts(out)
+    _assert_model(record, minilm_dir)
+    assert (record["dim"], record["model_dim"], record["dtype"], record["width"]) == (384, 384, "float32", 384)
+    assert record["normalized"] is True and record["metric"] == "cosine" and record["calibration"] is None
+    assert all(part == record for part in parts)
+    vectors = np.asarray(pq.read_table(OutputLayout(out).parts()[0])["embedding"].to_pylist(), dtype=np.float32)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # what "normalized" says
+    assert read_description(out).metric == "cosine"
+
+
+@pytest.mark.slow
+def test_a_matryoshka_output_records_the_truncated_dimension(tmp_path, corpus, minilm_dir, ray_session):
+    out = _run(tmp_path, corpus, dim=128, dtype="float16")
+    record, parts = _record_and_parts(out)
+    _assert_model(record, minilm_dir)
+    assert (record["dim"], record["model_dim"], record["dtype"], record["width"]) == (128, 384, "float16", 128)
+    assert record["normalized"] is True and record["metric"] == "cosine"  # renormalised after the cut
+    assert all(part == record for part in parts)
+
+
+@pytest.mark.slow
+def test_an_int8_output_records_its_calibration(tmp_path, corpus, minilm_dir, ray_session):
+    out = _run(tmp_path, corpus, dtype="int8", calibration_rows=100)
+    record, parts = _record_and_parts(out)
+    _assert_model(record, minilm_dir)
+    assert (record["dim"], record["dtype"], record["width"], record["metric"]) == (384, "int8", 384, "cosine")
+    calibration = record["calibration"]
+    assert calibration["precision"] == "int8" and calibration["rows"] == 100 and calibration["input_rows"] == 120
+    assert np.asarray(calibration["ranges"]).shape == (2, 384)
+    quantization = json.loads(Path(OutputLayout(out).quantization).read_text())
+    assert calibration == quantization["calibration"]  # the ranges the parts were quantized with
+    assert all(part == record for part in parts)
+
+
+def test_the_record_resolves_what_the_job_leaves_to_the_model(tmp_path, corpus, minilm_dir):
+    """normalize/pooling/max_seq_len/prompt as the job sets them, never "auto"; unnormalised vectors imply l2."""
+    job = write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
+                    model={"path": MODEL, "normalize": False, "pooling": "cls", "max_seq_len": 64,
+                           "prompt": "passage: "}, output={"path": str(tmp_path / "out"), "dtype": "binary"})
+    record = preflight(load_job(job)).describe(load_job(job)).to_dict()
+    assert (record["normalized"], record["pooling"], record["max_seq_len"], record["prompt"]) == \
+        (False, "cls", 64, "passage: ")
+    assert (record["dtype"], record["width"], record["metric"]) == ("binary", 48, "hamming")
+    auto = load_job(job, overrides=["model.normalize=auto", "model.pooling=auto", "model.max_seq_len=null",
+                                    "model.prompt=null", "output.dtype=float32"])
+    default = preflight(auto).describe(auto).to_dict()
+    assert (default["normalized"], default["pooling"], default["max_seq_len"], default["prompt"]) == \
+        (True, "mean", 256, "")
