@@ -142,7 +142,7 @@ def report(
     """Re-render a finished output's report (table, report.md, report.png) with the runs that produced it, or one
     run's (OUTPUT/runs/<run id>), or compare two side by side."""
     from embedpipe.io.store import tree_path
-    from embedpipe.report.render import load_report, render_comparison, render_table
+    from embedpipe.report.render import load_report, render_comparison, render_table, vectors_line
 
     runs = [tree_path(run) for run in runs]  # a URL stays a URL (Path would collapse its "//")
     if len(runs) > 2:
@@ -164,6 +164,10 @@ def report(
     with _exit_codes():
         paths = write_renderings(folder, reports[0], project_rows=project_rows)
     typer.echo(render_table(reports[0], project_rows=project_rows))
+    with _exit_codes():
+        vectors = vectors_line(folder)  # the output's embedpipe.json: what its vectors are
+    if vectors:
+        typer.echo(vectors)
     typer.echo(f"report: {paths['markdown']}, {paths['plot']}")
 
 

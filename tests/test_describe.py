@@ -30,8 +30,8 @@ def corpus(tmp_path_factory, quickstart_table) -> Path:
     return path
 
 
-def _run(folder: Path, corpus: Path, **output) -> Path:
-    out = folder / "out"
+def _run(folder: Path, corpus: Path, *, out: str | None = None, **output) -> Path:
+    out = out or folder / "out"
     job = write_job(folder / "job.yaml", input={"path": str(corpus), "unit_rows": 60}, model={"path": MODEL},
                     batching={"max_tokens": 4096}, cluster={"workers": 1, "cpus_per_worker": 1},
                     output={"path": str(out), **output})
@@ -64,7 +64,7 @@ def _assert_model(record: dict, minilm_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_a_float_output_describes_itself(tmp_path, corpus, minilm_dir, ray_session):
-    out = _run(tmp_path, corpus)
+    out = _run(tmp_path, corpus, format="both", index="Flat")
     record, parts = _record_and_parts(out)
     _assert_model(record, minilm_dir)
     assert (record["dim"], record["model_dim"], record["dtype"], record["width"]) == (384, 384, "float32", 384)
@@ -73,6 +73,28 @@ def test_a_float_output_describes_itself(tmp_path, corpus, minilm_dir, ray_sessi
     vectors = np.asarray(pq.read_table(OutputLayout(out).parts()[0])["embedding"].to_pylist(), dtype=np.float32)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)  # what "normalized" says
     assert read_description(out).metric == "cosine"
+    meta = json.loads(Path(OutputLayout(out).index.meta).read_text())
+    assert meta["normalize"] is True and meta["job"]["model"]["normalize"] == "auto"  # resolved beside the job's
+    shown = CliRunner().invoke(app, ["report", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "vectors: 384 x float32, normalized, metric cosine; model " + MODEL in shown.output
+
+
+@pytest.mark.slow
+def test_an_object_store_output_describes_itself(tmp_path, corpus, minilm_dir, s3_bucket, s3_options, ray_session):
+    import s3fs
+
+    out = _run(tmp_path, corpus, out=f"{s3_bucket}/out", storage_options=s3_options)
+    s3 = s3fs.S3FileSystem(**s3_options, skip_instance_cache=True)
+    record = json.loads(s3.cat_file(f"{s3_bucket[5:]}/out/embedpipe.json"))
+    _assert_model(record, minilm_dir)
+    assert (record["dim"], record["dtype"], record["normalized"]) == (384, "float32", True)
+    parts = [p for p in s3.ls(f"{s3_bucket[5:]}/out/vectors") if p.endswith(".parquet")]
+    assert len(parts) == 2
+    for part in parts:
+        with s3.open(part, "rb") as f:
+            assert json.loads(pq.read_schema(f).metadata[METADATA_KEY]) == record
+    assert read_description(out).to_dict() == record
 
 
 @pytest.mark.slow
