@@ -160,13 +160,13 @@ def reencode_reason(root: str | Path, fingerprint: dict, *, description: OutputD
         return None
     if vector_salt(old) == vector_salt(fingerprint):
         return None
-    before = read_description(folder) if description is not None else None
-    changed = changes(before, description) if before is not None else []
-    if changed:
-        return f"the vectors' facts changed since version {folder.name}: {'; '.join(changed)}"
     if old.get("model") != fingerprint["model"]:
         return (f"the model's files changed since version {folder.name} (was {old.get('model_dir', '?')}, now "
                 f"{fingerprint.get('model_dir', '?')})")
+    before = read_description(folder) if description is not None else None
+    changed = changes(before, description) if before is not None else []
+    if changed:  # the current version's embedpipe.json against this run's: name what changed
+        return f"the vectors' settings changed since version {folder.name}: {'; '.join(changed)}"
     return f"a model or vector setting changed since version {folder.name}"
 
 

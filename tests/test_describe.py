@@ -135,3 +135,20 @@ def test_the_record_resolves_what_the_job_leaves_to_the_model(tmp_path, corpus, 
     default = preflight(auto).describe(auto).to_dict()
     assert (default["normalized"], default["pooling"], default["max_seq_len"], default["prompt"]) == \
         (True, "mean", 256, "")
+
+
+@pytest.mark.slow
+def test_an_incremental_run_names_the_facts_that_changed(tmp_path, corpus, ray_session):
+    """Night 2 cuts the vectors to 128 dimensions: nothing is reusable, and the report says which fact changed
+    (the current version's embedpipe.json against this run's); the versioned root describes the new CURRENT."""
+    root = tmp_path / "nightly"
+    versioned = {"versioned": True, "incremental": True}
+    for night, extra in (("a", {}), ("b", {"dim": 128})):
+        (tmp_path / night).mkdir()
+        _run(tmp_path / night, corpus, out=str(root), **versioned, **extra)
+    layout = OutputLayout(root)
+    night2 = layout.version(Path(layout.current).read_text().strip())
+    report = json.loads(Path(night2.report_json).read_text())
+    assert report["incremental"]["reused"] == 0
+    assert "dim 384 -> 128" in report["incremental"]["reencoded_all"]
+    assert read_description(root) == read_description(night2.root) and read_description(root).dim == 128
