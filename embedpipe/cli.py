@@ -103,9 +103,11 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
            prompt: Annotated[Optional[str], typer.Option(
                help="Put before the query (e.g. 'query: '); default: the model's own query prompt, if any.",
                show_default=False)] = None,
-           json_: Annotated[bool, typer.Option("--json", help="Print one JSON object (query, results with rank, "
-                                                              "id, score, text; warnings) for scripts.")] = False,
-           texts: Annotated[bool, typer.Option(help="Show each hit's text, read from the job's input.")] = True) -> None:
+           json_: Annotated[bool, typer.Option(
+               "--json", help="Print one JSON object (query, results with rank, id, score, text; warnings) for "
+                              "scripts.")] = False,
+           texts: Annotated[bool, typer.Option(
+               help="Show each hit's text, read from the job's input.")] = True) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable.
 
     The query is encoded in this process (no Ray), with the settings the output's embedpipe.json records."""

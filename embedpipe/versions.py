@@ -150,7 +150,8 @@ def previous_parts(root: str | Path) -> tuple[str, ...]:
     return tuple(sorted(str(p) for record in manifest.done().values() for p in manifest.part_paths(record)))
 
 
-def reencode_reason(root: str | Path, fingerprint: dict, *, description: OutputDescription | None = None) -> str | None:
+def reencode_reason(root: str | Path, fingerprint: dict, *,
+                    description: OutputDescription | None = None) -> str | None:
     """Why no row of the current version can be reused (the model's files or a vector setting changed), or None;
     ``description``: this run's output record, compared with the current version's embedpipe.json to name the
     facts that changed."""

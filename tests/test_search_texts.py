@@ -135,10 +135,11 @@ def test_search_loads_neither_ray_nor_transformers_and_its_cold_time_is_measured
     sentence_transformers import on that path, nor torch._dynamo (~2 s; a meta-device model build pulled it in):
     the cold wall time is printed, not asserted (shared CPUs)."""
     code = ("import sys, time, json; t = time.perf_counter(); from embedpipe.index.search import open_index; "
+            "HEAVY = ('ray', 'transformers', 'sentence_transformers', 'torch._dynamo'); "
             f"ix = open_index({str(outputs['parquet'])!r}); [hits] = ix.search(['kernel scheduler'], k=3); "
             "texts = ix.source_texts([i for i, _ in hits]); "
             "print(json.dumps({'seconds': time.perf_counter() - t, 'texts': len(texts), "
-            "'loaded': sorted(m for m in ('ray', 'transformers', 'sentence_transformers', 'torch._dynamo') if m in sys.modules)}))")
+            "'loaded': sorted(m for m in HEAVY if m in sys.modules)}))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
