@@ -102,16 +102,33 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
            k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10,
            prompt: Annotated[Optional[str], typer.Option(
                help="Put before the query (e.g. 'query: '); default: the model's own query prompt, if any.",
-               show_default=False)] = None) -> None:
-    """Search a built index with a text query: ids, scores and the source text when still readable."""
+               show_default=False)] = None,
+           json_: Annotated[bool, typer.Option(
+               "--json", help="Print one JSON object (query, results with rank, id, score, text; warnings) for "
+                              "scripts.")] = False,
+           texts: Annotated[bool, typer.Option(
+               help="Show each hit's text, read from the job's input.")] = True) -> None:
+    """Search a built index with a text query: ids, scores and the source text when still readable.
+
+    The query is encoded in this process (no Ray), with the settings the output's embedpipe.json records."""
     from embedpipe.index.search import open_index
 
     with _exit_codes():
         index = open_index(output_dir, query_prompt=prompt)
-    [hits] = index.search([query], k=k)
-    texts = index.source_texts([i for i, _ in hits])
+        [hits] = index.search([query], k=k)
+    found = index.source_texts([i for i, _ in hits], warn=False) if texts else {}
+    if index.text_problem and not json_:
+        typer.echo(f"warning: {index.text_problem}", err=True)
+    if json_:
+        import json
+
+        results = [{"rank": rank, "id": id_, "score": score, "text": found.get(id_)}
+                   for rank, (id_, score) in enumerate(hits, 1)]
+        warnings = [index.text_problem] if index.text_problem else []
+        typer.echo(json.dumps({"query": query, "k": k, "results": results, "warnings": warnings}, default=str))
+        return
     for rank, (id_, score) in enumerate(hits, 1):
-        text = " ".join(str(texts.get(id_, "")).split())
+        text = " ".join(str(found.get(id_, "")).split())
         typer.echo(f"{rank:>3}  {score:8.4f}  {id_}  {text[:120]}")
 
 
@@ -127,7 +144,7 @@ def report(
     """Re-render a finished output's report (table, report.md, report.png) with the runs that produced it, or one
     run's (OUTPUT/runs/<run id>), or compare two side by side."""
     from embedpipe.io.store import tree_path
-    from embedpipe.report.render import load_report, render_comparison, render_table
+    from embedpipe.report.render import load_report, render_comparison, render_table, vectors_line
 
     runs = [tree_path(run) for run in runs]  # a URL stays a URL (Path would collapse its "//")
     if len(runs) > 2:
@@ -149,6 +166,10 @@ def report(
     with _exit_codes():
         paths = write_renderings(folder, reports[0], project_rows=project_rows)
     typer.echo(render_table(reports[0], project_rows=project_rows))
+    with _exit_codes():
+        vectors = vectors_line(folder)  # the output's embedpipe.json: what its vectors are
+    if vectors:
+        typer.echo(vectors)
     typer.echo(f"report: {paths['markdown']}, {paths['plot']}")
 
 

@@ -36,7 +36,8 @@ from embedpipe.index.factory import FactoryError, parse_factory
 from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
 from embedpipe.io import fs
 from embedpipe.io.formats import UnitReader, plan_input
-from embedpipe.io.quantize import stored_type
+from embedpipe.io.describe import ModelRecord, OutputDescription, describe
+from embedpipe.io.quantize import Calibration, stored_type
 from embedpipe.io.rows import null_id_error
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.report.flops import read_model_config
@@ -62,6 +63,9 @@ class ModelPlan:
     dim: int  # the model's own vector dimension (after its Dense layers)
     vector_dim: int  # the stored vectors': output.dim, else dim
     normalize: bool  # vectors are L2-normalised (model.normalize, or the model's Normalize module)
+    pooling: str  # resolved: model.pooling, else the Pooling module's, else the class's default
+    max_seq_len: int  # resolved: model.max_seq_len, else the sentence-transformers max length, else positions
+    prompt: str  # resolved: what goes before every document (model.prompt, prompt_name, the default prompt)
 
     @property
     def prompts(self) -> dict[str, str]:
@@ -75,6 +79,16 @@ class ModelPlan:
 
     def index_facts(self) -> ModelFacts:
         return ModelFacts(dim=self.vector_dim, normalize=self.normalize, query_prompt=self.prompts.get("query", ""))
+
+    def record(self, name: str) -> ModelRecord:
+        """The model as the output's embedpipe.json names it: as given, as resolved, and by its files' sha256."""
+        from embedpipe.io.manifest import HashCache, model_files, model_fingerprint
+
+        hashes = HashCache()  # the run's fingerprint hashed these already: size, time and inode hits
+        weights = {p.relative_to(self.dir).as_posix(): hashes.sha256(p) for p in model_files(self.dir)
+                   if p.suffix in (".safetensors", ".bin")}
+        return ModelRecord(name=name, path=str(self.dir), sha256=model_fingerprint(self.dir, cache=hashes),
+                           weights=weights)
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,15 @@ class RunPlan:
     @property
     def rows(self) -> int:
         return sum(u.num_rows for u in self.units)
+
+    def describe(self, job: JobSpec, *, calibration: Calibration | None = None,
+                 chunking: dict | None = None) -> OutputDescription:
+        """The output's record (embedpipe.json, and every part's schema metadata) from the facts resolved here;
+        ``calibration``: the run's int8/uint8 ranges; ``chunking``: the settings of a chunked run, else None."""
+        m = self.model
+        return describe(model=m.record(job.model.path), dim=m.vector_dim, model_dim=m.dim, dtype=job.output.dtype,
+                        normalized=m.normalize, pooling=m.pooling, max_seq_len=m.max_seq_len, prompt=m.prompt,
+                        query_prompt=m.prompts.get("query", ""), calibration=calibration, chunking=chunking)
 
 
 Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts
@@ -150,7 +173,8 @@ def plan_model(job: JobSpec) -> ModelPlan:
     """Resolve model.path (the run's only resolution), check the files a worker will need are there
     and safe, read the model's facts, and check the job's model options against them."""
     from embedpipe.models import resolve
-    from embedpipe.models.st import model_dim, read_st_spec
+    from embedpipe.models.loader import model_defaults
+    from embedpipe.models.st import model_dim, read_st_spec, resolve_prompt
 
     try:
         model_dir = resolve.resolve_model_path(job.model.path, storage_options=job.model.storage_options)
@@ -167,8 +191,11 @@ def plan_model(job: JobSpec) -> ModelPlan:
         raise ModelError(f"model.path: {exc}: copy the model's config.json into the directory again") from None
     check_model_options(job, spec=spec, dim=dim)
     normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
+    defaults = model_defaults(model_dir, spec=spec)  # the class's pooling and positions, no weights read
     return ModelPlan(dir=model_dir, st=spec, config=config, dim=dim, vector_dim=job.output.dim or dim,
-                     normalize=normalize)
+                     normalize=normalize, pooling=defaults.pooling(spec, job.model.pooling),
+                     max_seq_len=defaults.max_seq_len(spec, job.model.max_seq_len),
+                     prompt=resolve_prompt(spec, prompt=job.model.prompt, prompt_name=job.model.prompt_name))
 
 
 def check_model_options(job: JobSpec, *, spec: STSpec, dim: int) -> None:

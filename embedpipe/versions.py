@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
 from embedpipe.errors import RunError
-from embedpipe.io.layout import CURRENT, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes
+from embedpipe.io.layout import CURRENT, DESCRIPTION, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes
+from embedpipe.io.describe import OutputDescription, changes, read_description
 from embedpipe.io.manifest import Manifest, vector_salt
 from embedpipe.io.ownership import is_output, remove_owned
 from embedpipe.io.store import TreePath, store_for, tree_path
@@ -124,7 +125,7 @@ def prune(root: str | Path, *, keep: int | None) -> list[str]:
 def remove_all(root: str | Path) -> list[str]:
     """--overwrite on a versioned output: CURRENT and every version folder embedpipe made; nothing else."""
     doomed = [p.name for p in _version_folders(root)]
-    remove_owned(tree_path(root), (CURRENT, *(f"{VERSIONS}/{name}" for name in doomed)))
+    remove_owned(tree_path(root), (CURRENT, DESCRIPTION, *(f"{VERSIONS}/{name}" for name in doomed)))
     return doomed
 
 
@@ -149,8 +150,11 @@ def previous_parts(root: str | Path) -> tuple[str, ...]:
     return tuple(sorted(str(p) for record in manifest.done().values() for p in manifest.part_paths(record)))
 
 
-def reencode_reason(root: str | Path, fingerprint: dict) -> str | None:
-    """Why no row of the current version can be reused (the model's files or a vector setting changed), or None."""
+def reencode_reason(root: str | Path, fingerprint: dict, *,
+                    description: OutputDescription | None = None) -> str | None:
+    """Why no row of the current version can be reused (the model's files or a vector setting changed), or None;
+    ``description``: this run's output record, compared with the current version's embedpipe.json to name the
+    facts that changed."""
     folder = current_path(root)
     old = _read_json(OutputLayout(folder).job) if folder is not None else None
     if old is None:
@@ -160,6 +164,10 @@ def reencode_reason(root: str | Path, fingerprint: dict) -> str | None:
     if old.get("model") != fingerprint["model"]:
         return (f"the model's files changed since version {folder.name} (was {old.get('model_dir', '?')}, now "
                 f"{fingerprint.get('model_dir', '?')})")
+    before = read_description(folder) if description is not None else None
+    changed = changes(before, description) if before is not None else []
+    if changed:  # the current version's embedpipe.json against this run's: name what changed
+        return f"the vectors' settings changed since version {folder.name}: {'; '.join(changed)}"
     return f"a model or vector setting changed since version {folder.name}"
 
 

@@ -22,7 +22,7 @@ LAYOUT = PACKAGE / "io" / "layout.py"
 TREE_NAMES = {"vectors", "_manifest", "index", "versions", "CURRENT", "VALIDATED", "runs", "report.json",
               "report.md", "report.png", "skipped.parquet", "quantization.json", "job.json", "ids.parquet",
               "index.json", ".embedpipe-output", ".embedpipe.lock", "units", "skipped", "index.faiss",
-              "holdout.parquet", "index.ivfdata", "_build"}
+              "holdout.parquet", "index.ivfdata", "_build", "embedpipe.json"}
 PATH_CALLS = {"Path", "join", "with_name", "joinpath", "glob"}
 
 
@@ -74,7 +74,8 @@ def _expected(root: OutputLayout, *, units: list[str], run_id: str) -> set[Path]
     version = root.version(run_id)
     index = version.index
     run = version.run(run_id)
-    return {root.marker, root.current, version.marker, version.validated, version.job, version.report_json,
+    return {root.marker, root.current, root.description, version.description, version.marker, version.validated,
+            version.job, version.report_json,
             version.report_md, version.report_png, run.report_json, run.report_md, run.report_png,
             index.faiss, index.ids, index.holdout, index.meta,
             *(version.unit_record(u) for u in units), *(version.part(u) for u in units)}

@@ -30,10 +30,12 @@ from embedpipe.cluster.worker import EmbedWorker, Incremental
 from embedpipe.config import JobSpec, resolve_dtype
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
+from embedpipe.io.describe import OutputDescription, read_description, write_description
 from embedpipe.io.fs import use_job_storage
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
+from embedpipe.io.quantize import Calibration, read_record
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
@@ -148,7 +150,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
         parts = versions.previous_parts(root)  # the current version's intact parts, from its manifest
         incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job)
                                   if parts else None, previous_parts=parts)
-        reencode_reason = versions.reencode_reason(root, fingerprint)
+        reencode_reason = versions.reencode_reason(root, fingerprint, description=plan.describe(job))
         if reencode_reason:
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
     version_job = job.replace(output={"path": str(OutputLayout(root).version(version).root)})
@@ -157,6 +159,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
     lock.confirm()  # a run whose lock was taken over never moves CURRENT
     versions.promote(root, version)
+    write_description(root, read_description(result.output_path))  # the root says what CURRENT's vectors are
     result.report["version"] = {"run_id": version, "pruned": versions.prune(root, keep=job.output.keep_versions)}
     if reencode_reason:  # no row could be reused: say why in the report
         result.report["incremental"]["reencoded_all"] = reencode_reason
@@ -198,12 +201,14 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                gpus=workers.gpus_per_worker, model=model,
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
+            description = _describe(job, plan, output, calibration)  # before any part: they carry it
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
                                                          threads=workers.cpus_per_worker,
-                                                         incremental=incremental, calibration=calibration),
+                                                         incremental=incremental, calibration=calibration,
+                                                         description=description),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
                 resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker})
@@ -227,6 +232,9 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             if started_ray:
                 ray.shutdown()
     else:
+        record = read_record(output) or {}  # the calibration of the finished run, for its record
+        calibration = Calibration(**record["calibration"]) if "calibration" in record else None
+        _describe(job, plan, output, calibration)
         index_report = _index_alone(job, index_build) if index_build else None  # nothing left to embed
 
     total = Counters()
@@ -256,6 +264,13 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
     report = record_run(output, report, started_at=started_at, this_run=this_run)  # runs/<id>/, then the output's
     return RunResult(output_path=output, report=report)
+
+
+def _describe(job: JobSpec, plan: RunPlan, output: TreePath, calibration: Calibration | None) -> OutputDescription:
+    """The output's record, written to its embedpipe.json (and handed to the workers for every part)."""
+    description = plan.describe(job, calibration=calibration)
+    write_description(output, description)
+    return description
 
 
 def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:

@@ -42,11 +42,12 @@ class EmbedWorker:
     """Plain class; the driver wraps it with ``ray.remote`` and its resources."""
 
     def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
-                 incremental: Incremental | None = None, calibration=None):
+                 incremental: Incremental | None = None, calibration=None, description=None):
         """``model``: the run's model in the object store; this worker loads it from its node's cache,
         never from ``model.path``. ``calibration``: the run's int8/uint8 ranges
         (embedpipe.io.quantize.Calibration), the same on every worker, replacements included: the
-        driver fits them before any worker starts."""
+        driver fits them before any worker starts. ``description``: the output's record
+        (embedpipe.io.describe.OutputDescription), put in every part's schema metadata."""
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.fs import use_job_storage
 
@@ -63,7 +64,7 @@ class EmbedWorker:
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder.from_job(job, threads=threads)
         self.writer = ParquetPartWriter(output_path=job.output.path, dtype=job.output.dtype, calibration=calibration,
-                                        dim=self.encoder.dim)
+                                        dim=self.encoder.dim, description=description)
         self.manifest = Manifest(job.output.path)
         self.incremental = incremental
         self.previous = None

@@ -312,7 +312,9 @@ class IndexBuild:
         meta = {"format_version": FORMAT_VERSION, **{k: report[k] for k in (
                     "factory", "kind", "metric", "ntotal", "search_params", "ids", "on_disk",
                     "recall_at_10", "recall_at_1", "target_recall", "target_reached")},
-                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt, "job": self.job.record(),
+                "dim": self.plan.dim, "query_prompt": self.plan.query_prompt,
+                "normalize": self.plan.metric == "inner_product",  # resolved (the job record may say auto)
+                "job": self.job.record(),
                 "parts": self._parts_fingerprint(), "report": report}
         atomic_write_text(self.files.meta, json.dumps(meta, indent=2) + "\n")
 

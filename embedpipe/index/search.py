@@ -1,13 +1,18 @@
 """Open a built index and search it with text: ``open_index(output_path).search(texts, k=10)``.
 
-Queries are encoded with the job's own model settings (read back from ``index.json``), with the
-model's query prompt when it has one; results are the input's own ids, best first.
+Queries are encoded in this process (no Ray) with the settings the output records in its ``embedpipe.json``
+(the resolved model folder, pooling, normalisation, max_seq_len and dimension: embedpipe/io/describe.py; for an
+output written before there was one, the job's own settings read back from ``index.json``), with the model's
+query prompt when it has one; results are the input's own ids, best first. Imports are lazy: opening loads
+FAISS and the id map, the first query loads torch and the model; texts are read through the input's format
+reader (embedpipe/io/formats.py) only when asked for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +20,11 @@ import numpy as np
 from embedpipe.errors import BadJob
 from embedpipe.index.ids import IdLookup
 from embedpipe.index.local_copy import local_copy
+from embedpipe.io.describe import OutputDescription, read_description
 from embedpipe.io.layout import IndexLayout, OutputLayout
 from embedpipe.io.store import store_for, tree_path
+
+log = logging.getLogger(__name__)
 
 
 class IndexNotFound(BadJob, FileNotFoundError):
@@ -67,9 +75,13 @@ class OpenedIndex:
             space.set_index_parameter(self.index, name, value)
         self.ids = IdLookup(files.ids, native=self.meta["ids"] == "native")
         self.job = _job_from_dict(self.meta["job"])
+        # the output's own record (the index folder sits in the output): None for outputs older than embedpipe.json
+        self.description: OutputDescription | None = _read_description(tree_path(self.dir).parent)
+        recorded = self.description.query_prompt if self.description else self.meta.get("query_prompt", "")
         # what goes before each query: given, else the model's "query" prompt recorded at build time (the
         # job's own model.prompt is for the documents and is not used for queries)
-        self.query_prompt: str = self.meta.get("query_prompt", "") if query_prompt is None else query_prompt
+        self.query_prompt: str = recorded if query_prompt is None else query_prompt
+        self.text_problem: str | None = None  # why the last source_texts call found no texts, when it could not read
         self._encoder = None
 
     @property
@@ -78,10 +90,20 @@ class OpenedIndex:
             from embedpipe.runtime import Encoder
 
             job = self.job
-            self._encoder = Encoder(model=dataclasses.replace(job.model, prompt=self.query_prompt, prompt_name=None),
-                                    batching=job.batching, output_dim=job.output.dim,
+            self._encoder = Encoder(model=self._query_model(), batching=job.batching,
+                                    output_dim=self.description.dim if self.description else job.output.dim,
                                     runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"))
         return self._encoder
+
+    def _query_model(self):
+        """The job's model section as the documents were encoded: every auto resolved from embedpipe.json."""
+        model = dataclasses.replace(self.job.model, prompt=self.query_prompt, prompt_name=None)
+        d = self.description
+        if d is None:
+            return model
+        path = d.model.path if Path(d.model.path).is_dir() else d.model.name  # moved: resolve the name again
+        return dataclasses.replace(model, path=path, normalize=d.normalized, pooling=d.pooling,
+                                   max_seq_len=d.max_seq_len)
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Query vectors [N, D]: the job's model settings and output.dim, with the query prompt."""
@@ -102,26 +124,72 @@ class OpenedIndex:
             out.append([(i, float(s)) for i, s in zip(ids, row_scores[keep])])
         return out
 
-    def source_texts(self, ids: list) -> dict:
-        """id -> text for the given input ids, when the job's input is still readable; else {}."""
-        import pyarrow.parquet as pq
+    def source_texts(self, ids: list, *, warn: bool = True) -> dict:
+        """id -> text for the given input ids, read from the job's input through its format's reader (Parquet,
+        JSONL, CSV, HF datasets); {} when the input cannot be read, with ``text_problem`` set to the one line
+        saying why (logged as a warning unless ``warn`` is False): texts are a convenience, never an error."""
+        self.text_problem = None
+        try:
+            return self._read_texts(list(ids))
+        except Exception as exc:  # any reader's or store's failure (gone, moved, unreachable, rewritten)
+            self.text_problem = (f"texts not shown: the input {self.job.input.path} cannot be read "
+                                 f"({' '.join(str(exc).split()) or type(exc).__name__})")
+            if warn:
+                log.warning(self.text_problem)
+            return {}
 
-        from embedpipe.units import InputError, list_files
+    def _read_texts(self, ids: list) -> dict:
+        """The units holding ``ids`` (found by the id columns of the output's parts), read with the input's reader."""
+        from embedpipe.io import fs
+        from embedpipe.io.formats import UnitReader, plan_input
 
         inp = self.job.input
-        try:
-            files = list_files(inp.path)
-        except InputError:
-            return {}
+        if not fs.storage_options(inp.path):  # the recorded options (secrets come from the environment)
+            fs.use_storage_options(inp.path, inp.storage_options)
+        wanted = set(ids)
+        units = plan_input(inp).units
+        holding = _units_holding(tree_path(self.dir).parent, wanted) or set()
+        units = sorted(units, key=lambda u: u.id not in holding)  # the units whose parts hold the ids first
+        reader = UnitReader(text_column=inp.text_column, id_column=inp.id_column)
         found: dict = {}
-        for file in files:
-            try:
-                table = pq.read_table(file, columns=[inp.id_column, inp.text_column],
-                                      filters=[(inp.id_column, "in", list(ids))])
-            except Exception:  # moved, rewritten or unreadable input: texts are a convenience
-                continue
-            found.update(zip(table.column(0).to_pylist(), table.column(1).to_pylist()))
+        for unit in units:
+            table = reader.columns(unit, [inp.id_column, inp.text_column])
+            for id_, text in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+                if id_ in wanted:
+                    found[id_] = text
+            if len(found) == len(wanted):
+                break
         return found
+
+
+def _units_holding(root, ids: set) -> set[str] | None:
+    """The unit ids whose recorded parts hold any of ``ids`` (id columns only); None without readable parts.
+    Reading stops once every id is found, so only those units are read while the input is as planned."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from embedpipe.io.manifest import Manifest
+
+    holding = set()
+    try:
+        manifest = Manifest(root)
+        for unit_id, record in manifest.done().items():
+            for path in manifest.part_paths(record):
+                column = pq.read_table(manifest.store.arrow_source(path), columns=["id"]).column(0)
+                if pc.any(pc.is_in(column, value_set=pa.array(list(ids), type=column.type))).as_py():
+                    holding.add(unit_id)
+    except (OSError, ValueError, TypeError, pa.ArrowException):  # the parts cannot say: every unit is read
+        return None
+    return holding or None
+
+
+def _read_description(root) -> OutputDescription | None:
+    try:
+        return read_description(root)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable: search on with the job's settings
+        log.warning("%s: embedpipe.json unreadable (%s): the job's settings are used", root, exc)
+        return None
 
 
 def _is_file(path) -> bool:

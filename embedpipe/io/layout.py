@@ -9,6 +9,7 @@
       index/index.faiss ids.parquet holdout.parquet index.ivfdata index.json   (_build/ while building)
       report.json report.md report.png runs/<run id>/report.json
       skipped.parquet quantization.json
+      embedpipe.json                               what the output is (embedpipe/io/describe.py)
       CURRENT versions/<run id>/ (each an output tree) versions/<run id>/VALIDATED   (versioned roots)
 
 Callers ask an ``OutputLayout(root)`` for a path and never spell one; writes go through
@@ -45,12 +46,13 @@ RUNS = "runs"
 REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "report.png"
 SKIPPED = "skipped.parquet"
 QUANTIZATION = "quantization.json"
+DESCRIPTION = "embedpipe.json"
 CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
 
 # What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
 # removes exactly these, and nothing else in the folder.
-OWNED = (MANIFEST, VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS)
-VERSIONED_OWNED = (CURRENT, VERSIONS)
+OWNED = (MANIFEST, VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS, DESCRIPTION)
+VERSIONED_OWNED = (CURRENT, VERSIONS, DESCRIPTION)
 # Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
 CLEANED_DIRS = (VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX, VERSIONS, RUNS)
 # The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
@@ -232,6 +234,10 @@ class OutputLayout:
     @property
     def quantization(self) -> Path:
         return self.root / QUANTIZATION
+
+    @property
+    def description(self) -> Path:  # embedpipe.json: model, dim, dtype, metric, ... (embedpipe/io/describe.py)
+        return self.root / DESCRIPTION
 
     # ---------------------------------------------------------------- versioned roots
     @property

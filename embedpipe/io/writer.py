@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pyarrow as pa
 
+from embedpipe.io.describe import OutputDescription, with_description
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.store import TreePath, Written, attempt_token
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantization_record, quantize, stored_type
@@ -44,11 +45,13 @@ class ParquetPartWriter:
     """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit
     (``part-<unit id>.<attempt>.parquet`` on an object store, a new name for every attempt).
 
-    int8/uint8 need the run's ``calibration`` (the same on every worker: the driver fits it)."""
+    int8/uint8 need the run's ``calibration`` (the same on every worker: the driver fits it). ``description``:
+    the output's record (embedpipe/io/describe.py), put in every part's schema metadata."""
 
     def __init__(self, *, output_path: str, dtype: str = "float32", calibration: Calibration | None = None,
-                 dim: int | None = None):
+                 dim: int | None = None, description: OutputDescription | None = None):
         self.layout = OutputLayout(output_path)
+        self.description = description
         self.dir = self.layout.vectors
         self.layout.store.mkdir(self.dir)
         self.dtype, self.calibration, self.dim = dtype, calibration, dim
@@ -75,4 +78,4 @@ class ParquetPartWriter:
                               dim=self.dim)
         for name, column in (extra or {}).items():  # e.g. content_hash of incremental runs
             table = table.append_column(name, column)
-        return self.layout.store.write_table(table, self.path_for(unit_id))
+        return self.layout.store.write_table(with_description(table, self.description), self.path_for(unit_id))

@@ -50,6 +50,11 @@ class EmbeddingHead(nn.Module):
         return F.normalize(x, dim=-1) if self.normalize else x  # [B, D]
 
 
+def resolve_pooling(spec: STSpec, *, pooling: str = "auto", default_pooling: str = "mean") -> str:
+    """The pooling a head built with these settings uses: the job's, else the Pooling module's, else the class's."""
+    return (spec.pooling or default_pooling) if pooling == "auto" else pooling
+
+
 def build_head(
     spec: STSpec, *, pooling: str = "auto", normalize: bool | str = "auto", default_pooling: str = "mean",
     dim: int | None = None, skip_tokens: int = 0,
@@ -70,7 +75,7 @@ def build_head(
                 linear.bias.copy_(d.bias_value)
         dense.append(linear)
     return EmbeddingHead(
-        pooling=(spec.pooling or default_pooling) if pooling == "auto" else pooling,
+        pooling=resolve_pooling(spec, pooling=pooling, default_pooling=default_pooling),
         dense=dense,
         activations=[d.activation for d in spec.dense],
         normalize=spec.normalize if normalize == "auto" else bool(normalize),

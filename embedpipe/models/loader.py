@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from embedpipe.kernels import select_backend
-from embedpipe.models.head import EmbeddingHead, build_head
+from embedpipe.models.head import EmbeddingHead, build_head, resolve_pooling
 from embedpipe.models.registry import model_class
 from embedpipe.models.st import STSpec, dense_dim, read_st_spec
 
@@ -150,6 +151,56 @@ def read_weights(model_dir: Path, *, allow_pickle: bool = False) -> dict[str, Te
     raise ValueError(f"{model_dir} has no weights (*.safetensors); is this a model directory?")
 
 
+INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "xavier_uniform_",
+                  "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+@contextmanager
+def _no_init():
+    """torch.nn.init's fills as no-ops while a model is built on the meta device: its weights come from the
+    checkpoint, and a meta tensor's ``normal_`` goes through torch's reference ops, whose first use imports
+    torch._dynamo (~2 s: what a one-query ``embedpipe search`` would spend on it)."""
+    saved = {name: getattr(nn.init, name) for name in INIT_FUNCTIONS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+MAX_SEQ_LEN_CAP = 8192  # tokens a text keeps when neither the job nor the model's sentence-transformers config says
+
+
+def effective_max_seq_len(requested: int | None, *, spec: STSpec, max_positions: int) -> int:
+    """model.max_seq_len, else the sentence-transformers max length, else the model's positions (capped)."""
+    return requested or spec.max_seq_len or min(max_positions, MAX_SEQ_LEN_CAP)
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """What a model's class decides where the job says auto, read without its weights."""
+
+    default_pooling: str  # the class's pooling when the directory has no Pooling module
+    max_positions: int  # longest sequence its positions cover
+
+    def pooling(self, spec: STSpec, requested: str = "auto") -> str:
+        return resolve_pooling(spec, pooling=requested, default_pooling=self.default_pooling)
+
+    def max_seq_len(self, spec: STSpec, requested: int | None = None) -> int:
+        return effective_max_seq_len(requested, spec=spec, max_positions=self.max_positions)
+
+
+def model_defaults(path: str | Path, *, spec: STSpec) -> ModelDefaults:
+    """The class of config.json's model_type built on the meta device (no weights read, no memory)."""
+    hf = json.loads((Path(path) / spec.transformer_dir / "config.json").read_text())
+    cls = model_class(hf.get("model_type", "<missing>"))
+    with torch.device("meta"), _no_init():
+        model = cls(cls.config_class.from_hf_config(hf), attention_backend="reference")
+    return ModelDefaults(default_pooling=model.default_pooling, max_positions=model.max_seq_len)
+
+
 def load_model(
     path: str | Path,
     *,
@@ -168,7 +219,7 @@ def load_model(
     cls = model_class(hf.get("model_type", "<missing>"))
     config = cls.config_class.from_hf_config(hf)
     backend = select_backend(device=device, requested=attention_backend, dtype=dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = cls(config, attention_backend=backend)
     load_state_dict_into(model, read_weights(model_dir, allow_pickle=allow_pickle), dtype=dtype, device=device)
     width = model.hidden_size

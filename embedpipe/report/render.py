@@ -386,6 +386,20 @@ def _md_row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def vectors_line(output_dir: str | Path) -> str | None:
+    """What the output's vectors are, from its embedpipe.json (None for an output written before there was one)."""
+    from embedpipe.io.describe import read_description
+
+    d = read_description(output_dir)
+    if d is None:
+        return None
+    cut = f" of the model's {d.model_dim}" if d.dim != d.model_dim else ""
+    chunked = ", chunked" if d.chunking else ""
+    return (f"vectors: {d.dim}{cut} x {d.dtype}, {'normalized' if d.normalized else 'not normalized'}, "
+            f"metric {d.metric}{chunked}; model {d.model.name} (sha256 {d.model.sha256[:12]}), {d.pooling} pooling, "
+            f"max_seq_len {d.max_seq_len}; embedpipe {d.embedpipe_version}")
+
+
 def load_report(output_dir: str | Path) -> dict:
     """report.json of a finished output or of one of its runs (``OUTPUT/runs/<run id>``), or the file itself."""
     path = tree_path(output_dir)

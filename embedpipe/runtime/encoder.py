@@ -11,6 +11,7 @@ import torch
 
 from embedpipe.config import BatchingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig, resolve_dtype
 from embedpipe.models import load_model
+from embedpipe.models.loader import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
@@ -57,7 +58,7 @@ class Encoder:
             use_onednn_linears(self.loaded.model)  # AVX-512 float32 GEMMs where MKL runs AVX2 (see runtime/cpu.py)
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
-        self.max_seq_len = model.max_seq_len or spec.max_seq_len or min(self.loaded.max_positions, 8192)
+        self.max_seq_len = effective_max_seq_len(model.max_seq_len, spec=spec, max_positions=self.loaded.max_positions)
         if self.max_seq_len > batching.max_tokens:
             raise ValueError(f"model.max_seq_len={self.max_seq_len} exceeds batching.max_tokens="
                              f"{batching.max_tokens}: raise batching.max_tokens or lower model.max_seq_len")
