@@ -88,6 +88,7 @@ class RunPlan:
     model: ModelPlan
     output: TreePath  # output.path (the versioned root for versioned outputs): a Path, or a Url for object stores
     index: IndexPlan | None  # None for output.format: parquet
+    workers: int = 1  # the workers the units were cut for (embedpipe/units.py: unit_size)
 
     @property
     def model_dir(self) -> Path:
@@ -101,14 +102,18 @@ class RunPlan:
 Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts
 
 
-def preflight(job: JobSpec) -> RunPlan:
-    """Check the job against its output, input and model, in that order of cost; the run's plan."""
+def preflight(job: JobSpec, *, workers: int | None = None) -> RunPlan:
+    """Check the job against its output, input and model, in that order of cost; the run's plan.
+
+    ``workers``: how many workers will share the units (the driver's estimate before it starts Ray,
+    embedpipe/cluster/connect.py: expected_workers); default cluster.workers, else 1."""
+    workers = workers or job.cluster.workers or 1
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
     check_stores(job)
     if job.output.versioned:
         check_current(tree_path(job.output.path))
-    inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
+    inputs = plan_input(job.input, workers=workers)  # lists the input, checks its columns and text, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
                                          policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
@@ -117,7 +122,7 @@ def preflight(job: JobSpec) -> RunPlan:
     if job.output.format != "parquet":
         index = plan_index(job, rows=sum(u.num_rows for u in units), model=model.index_facts())
     return RunPlan(files=inputs.files, units=units, duplicate_rows=dropped, model=model,
-                   output=tree_path(job.output.path), index=index)
+                   output=tree_path(job.output.path), index=index, workers=workers)
 
 
 def check_output_settings(output: OutputConfig) -> None:

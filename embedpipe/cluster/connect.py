@@ -143,6 +143,36 @@ def _token_mode() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class ExpectedWorkers:
+    workers: int
+    source: str  # where the number comes from, for `embedpipe validate`
+
+
+def expected_workers(cfg: ClusterConfig) -> ExpectedWorkers:
+    """How many workers a run will start, known before Ray is (the planner cuts units for them): cluster.workers;
+    else, as plan_workers decides, one per GPU (one on CPU) of the Ray already connected or of this machine
+    for the embedded Ray. A cluster to join with cluster.workers unset is sized only once joined: 1 is
+    assumed, and the run warns when the cluster holds more."""
+    if cfg.workers:
+        return ExpectedWorkers(cfg.workers, "cluster.workers")
+    if ray.is_initialized():
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        return ExpectedWorkers(max(gpus, 1), f"one per GPU of the connected Ray ({gpus})" if gpus else "no GPU: one")
+    if cfg.address or submitted_job_address():
+        return ExpectedWorkers(1, "assumed: the cluster's size is known once joined (set cluster.workers)")
+    gpus = _local_gpus()
+    return ExpectedWorkers(max(gpus, 1), f"one per GPU of this machine ({gpus})" if gpus else "no GPU: one")
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def plan_workers(cfg: ClusterConfig) -> WorkerPlan:
     """One worker per GPU (else one), each with its share of CPUs; fails early if the cluster is too small."""
     resources = ray.cluster_resources()

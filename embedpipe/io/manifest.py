@@ -29,6 +29,7 @@ from embedpipe.io.cache import cache_dir
 from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
 from embedpipe.io.store import Store, Written
 from embedpipe.io.ownership import ManifestMismatch, claim_output, remove_owned
+from embedpipe.units import Unit
 
 atomic_write = atomic_write_bytes  # the layout's one atomic write, under its earlier name
 __all__ = ["MANIFEST", "PART_NAME", "RECORD_NAME", "TEMP_NAME", "atomic_write"]
@@ -289,6 +290,27 @@ class Manifest:
         }
         atomic_write(self.layout.unit_record(unit_id), json.dumps(record, indent=1).encode())
         return record
+
+
+def covers(record: dict[str, Any], unit: Unit) -> bool:
+    """The record was written for exactly this unit's rows: the same file range and row count (a unit id
+    alone is not enough once units are cut to the workers: ``00000-0000000000`` holds 375 rows for two
+    workers and 10,000 for one). Records from before the rows were recorded: the same row groups and as
+    many rows embedded or skipped as the unit holds."""
+    if "num_rows" in record:
+        return (record.get("row_start") == unit.row_start and record["num_rows"] == unit.num_rows
+                and list(record.get("row_groups", [])) == list(unit.row_groups))
+    counters = record.get("counters") or {}
+    rows = counters.get("rows", 0) + counters.get("skipped_rows", 0)
+    return list(record.get("row_groups", [])) == list(unit.row_groups) and rows == unit.num_rows
+
+
+def done_units(records: dict[str, dict[str, Any]], units: Iterable[Unit]) -> dict[str, dict[str, Any]]:
+    """Of the manifest's done records, those of the plan's units that cover exactly the unit's rows; a record
+    of another cut (another worker count, an earlier embedpipe) is left out, so clean_partials removes it and
+    its part and the unit is encoded again: every row is written once."""
+    by_id = {u.id: u for u in units}
+    return {k: v for k, v in records.items() if k in by_id and covers(v, by_id[k])}
 
 
 def _read_json(store: Store, path) -> Any:
