@@ -82,17 +82,22 @@ def run(job_file: JobFile, set_: SetOpt = None,
 
 @app.command()
 def validate(job_file: JobFile, set_: SetOpt = None) -> None:
-    """Check a job file, its input files and its model without running it."""
+    """Check a job file, its input files, its model and its output path without running it; print the plan."""
     job = _load(job_file, set_)
-    from embedpipe.preflight import preflight
+    from embedpipe.cluster.connect import expected_workers
+    from embedpipe.preflight import check_output_owner, describe_units, preflight
 
     with _exit_codes():
-        plan = preflight(job)
-    typer.echo(f"ok: {job.name}: {len(plan.units)} units, {plan.rows:,} rows; model {plan.model.dir}")
-    if plan.index is not None:
-        from embedpipe.index.plan import describe_plan
+        workers = expected_workers(job.cluster)
+        plan = preflight(job, workers=workers.workers)
+        check_output_owner(job, plan)  # what run refuses about output.path, asked the same way
+        lines = describe_units(plan, workers_source=workers.source)
+        if plan.index is not None:
+            from embedpipe.index.plan import describe_plan
 
-        typer.echo(describe_plan(plan.index))
+            lines.append(describe_plan(plan.index))
+    lines += [f"model: {plan.model.dir}", f"ok: {job.name}"]  # ok last: every check above passed
+    typer.echo("\n".join(lines))
 
 
 @app.command()

@@ -125,6 +125,34 @@ def preflight(job: JobSpec, *, workers: int | None = None) -> RunPlan:
                    output=tree_path(job.output.path), index=index, workers=workers)
 
 
+def check_output_owner(job: JobSpec, plan: RunPlan) -> None:
+    """What ``run`` refuses about output.path, asked the same way without writing: a folder embedpipe did not
+    create (OutputNotOwned, exit 5), and one holding another job's output (ManifestMismatch, exit 2)."""
+    from embedpipe.io.manifest import Manifest, job_fingerprint
+    from embedpipe.io.ownership import check_output
+
+    check_output(job.output.path)
+    if not job.output.versioned:  # a versioned root starts a new version for another job
+        Manifest(job.output.path).check_job(job_fingerprint(job, files=plan.files, model_dir=plan.model_dir))
+
+
+def describe_units(plan: RunPlan, *, workers_source: str) -> list[str]:
+    """The work plan for ``embedpipe validate``: files, units, rows per unit, workers; a warning line when a
+    worker would get no unit."""
+    sizes = sorted(u.num_rows for u in plan.units)
+    per_unit = (f"{sizes[0]:,} rows each" if sizes and sizes[0] == sizes[-1]
+                else f"{sizes[0]:,} to {sizes[-1]:,} rows each" if sizes else "no rows")
+    files = f"{len(plan.files)} file{'s' * (len(plan.files) != 1)}"
+    lines = [f"plan: {len(plan.units)} units, {plan.rows:,} rows ({per_unit}) from {files}, for {plan.workers} "
+             f"worker{'s' * (plan.workers != 1)} ({workers_source})"]
+    idle = plan.workers - len(plan.units)
+    if idle > 0:
+        lines.append(f"warning: {idle} of {plan.workers} workers would sit idle: {len(plan.units)} units for "
+                     f"{plan.workers} workers (units hold at least {min(sizes or [0]):,} rows); use fewer "
+                     f"cluster.workers, or lower input.unit_rows below that")
+    return lines
+
+
 def check_output_settings(output: OutputConfig) -> None:
     """output.dtype against the FAISS index, and the output.index factory string (no I/O)."""
     if output.format != "parquet" and stored_type(output.dtype).quantized:

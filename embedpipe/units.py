@@ -7,9 +7,9 @@ row-range formats (JSONL, CSV, Hugging Face arrow shards; see ``embedpipe/io/for
 the same order; a manifest record carries its unit's rows, so a record is reused only for a unit of
 exactly those rows (``embedpipe/io/manifest.py: covers``).
 
-How many rows a unit holds (``unit_size``): at most ``input.unit_rows``, and few enough that every
-worker gets about ``UNITS_PER_WORKER`` units, but never fewer than ``MIN_UNIT_ROWS`` (a tiny corpus is
-not cut into units that cost more to schedule than to encode).
+How many rows a unit holds (``unit_size``): at most ``input.unit_rows``, and, with two or more workers,
+few enough that every worker gets about ``UNITS_PER_WORKER`` units, but never fewer than
+``MIN_UNIT_ROWS`` (a tiny corpus is not cut into units that cost more to schedule than to encode).
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ class Unit:
 
 
 def unit_size(total_rows: int, *, unit_rows: int, workers: int) -> int:
-    """Rows per unit: ``unit_rows`` at most (an upper bound), and small enough for ``UNITS_PER_WORKER`` units
-    per worker, but not below ``MIN_UNIT_ROWS`` (unless unit_rows is smaller)."""
+    """Rows per unit: ``unit_rows`` at most (an upper bound); with two or more workers also small enough for
+    ``UNITS_PER_WORKER`` units per worker, but not below ``MIN_UNIT_ROWS`` (unless unit_rows is smaller).
+    One worker has nobody to share with: its units are cut by unit_rows alone."""
+    if workers <= 1:
+        return max(1, unit_rows)
     balanced = -(-total_rows // (UNITS_PER_WORKER * max(workers, 1)))  # ceil
     return max(1, min(unit_rows, max(balanced, MIN_UNIT_ROWS)))
 

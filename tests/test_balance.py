@@ -41,7 +41,7 @@ def test_one_large_row_group_is_cut_into_row_ranges_for_two_workers(tmp_path):
 def test_unit_rows_is_an_upper_bound_and_whole_row_groups_keep_their_ids(tmp_path):
     path = tmp_path / "a.parquet"
     pq.write_table(_table(5600), path, row_group_size=2500)  # row groups of 2500, 2500 and 600
-    units = plan_units([str(path)], unit_rows=1000, workers=1)
+    units = plan_units([str(path)], unit_rows=1000, workers=1)  # one worker: cut by unit_rows alone
     assert max(u.num_rows for u in units) <= 1000
     assert [u.id for u in units] == ["00000-00000-0000000000", "00000-00000-0000000833", "00000-00000-0000001666",
                                      "00000-00001-0000000000", "00000-00001-0000000833", "00000-00001-0000001666",
@@ -53,6 +53,7 @@ def test_a_tiny_corpus_is_not_cut_below_the_floor(tmp_path):
     path = tmp_path / "a.parquet"
     pq.write_table(_table(300), path)
     assert [u.num_rows for u in plan_units([str(path)], unit_rows=10_000, workers=2)] == [150, 150]
+    assert [u.num_rows for u in plan_units([str(path)], unit_rows=10_000, workers=1)] == [300]
     assert MIN_UNIT_ROWS <= 300
 
 
@@ -78,11 +79,11 @@ def test_row_range_formats_are_balanced_too(tmp_path, fmt):
 def test_a_record_of_another_cut_does_not_cover_a_unit(tmp_path):
     path = tmp_path / "a.parquet"
     pq.write_table(_table(3000), path, row_group_size=3000)
-    for_one = plan_units([str(path)], unit_rows=10_000, workers=1)  # 4 units of 750
     for_two = plan_units([str(path)], unit_rows=10_000, workers=2)  # 8 units of 375
-    assert for_one[0].id == for_two[0].id  # the same id, other rows
-    record = {"unit_id": for_one[0].id, "row_groups": [0], "row_start": 0, "num_rows": for_one[0].num_rows}
-    assert covers(record, for_one[0]) and not covers(record, for_two[0])
+    for_three = plan_units([str(path)], unit_rows=10_000, workers=3)  # 12 units of 250
+    assert for_three[0].id == for_two[0].id  # the same id, other rows
+    record = {"unit_id": for_three[0].id, "row_groups": [0], "row_start": 0, "num_rows": for_three[0].num_rows}
+    assert covers(record, for_three[0]) and not covers(record, for_two[0])
     legacy = {"unit_id": "00000-00000", "row_groups": [0], "counters": {"rows": 2990, "skipped_rows": 10}}
     whole = Unit("00000-00000", str(path), (0,), 3000)  # how embedpipe cut this file before
     assert covers(legacy, whole) and not covers(legacy, for_two[0])

@@ -179,23 +179,29 @@ class Manifest:
         claim_output(manifest.output, kind="run")
         if overwrite:
             manifest.clear()
-        job_file = manifest.layout.job
-        if manifest.store.exists(job_file):
-            old = _read_json(manifest.store, job_file)
-            if old is None:
-                raise ManifestMismatch(f"{job_file} is unreadable (not the JSON embedpipe writes): pass --overwrite "
-                                       f"to replace this output, or choose a new output.path")
-            if old.get("sha256") != fingerprint["sha256"]:
-                changed = [k for k in ("inputs", "model", "settings") if old.get(k) != fingerprint[k]]
-                if "model" in changed:  # name both folders: the content differs even where the path does not
-                    changed[changed.index("model")] = (f"model (its files' contents: was {old.get('model_dir', '?')}, "
-                                                       f"now {fingerprint.get('model_dir', '?')})")
-                raise ManifestMismatch(
-                    f"{manifest.output} holds the output of another job (changed: {', '.join(changed)}): "
-                    f"choose a new output.path, or pass --overwrite to replace it")
-        else:
-            atomic_write(job_file, json.dumps(fingerprint, indent=2, default=str).encode())
+        if not manifest.check_job(fingerprint):
+            atomic_write(manifest.layout.job, json.dumps(fingerprint, indent=2, default=str).encode())
         return manifest
+
+    def check_job(self, fingerprint: dict[str, Any]) -> bool:
+        """Refuse (ManifestMismatch) an output holding another job's output; True when it holds this job's,
+        False when it holds none yet. Reads only: ``open`` (run) and ``embedpipe validate`` both ask here."""
+        job_file = self.layout.job
+        if not self.store.exists(job_file):
+            return False
+        old = _read_json(self.store, job_file)
+        if old is None:
+            raise ManifestMismatch(f"{job_file} is unreadable (not the JSON embedpipe writes): pass --overwrite "
+                                   f"to replace this output, or choose a new output.path")
+        if old.get("sha256") != fingerprint["sha256"]:
+            changed = [k for k in ("inputs", "model", "settings") if old.get(k) != fingerprint[k]]
+            if "model" in changed:  # name both folders: the content differs even where the path does not
+                changed[changed.index("model")] = (f"model (its files' contents: was {old.get('model_dir', '?')}, "
+                                                   f"now {fingerprint.get('model_dir', '?')})")
+            raise ManifestMismatch(
+                f"{self.output} holds the output of another job (changed: {', '.join(changed)}): "
+                f"choose a new output.path, or pass --overwrite to replace it")
+        return True
 
     def clear(self) -> None:
         """--overwrite: remove what embedpipe writes here (links themselves, never their targets), nothing else."""
