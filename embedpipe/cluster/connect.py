@@ -48,8 +48,21 @@ def _keep_signal_handlers() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+# Ray's notices about itself on an embedded Ray (its token-auth notice on every start, among them): shown only
+# with -v (embedpipe's loggers at INFO or below); errors always show.
+RAY_NOTICE_LOGGERS = ("ray._private.authentication",)
+
+
+def ray_logging_level() -> int:
+    """Ray's own level from embedpipe's: WARNING with -v (or lower), else ERROR."""
+    return logging.WARNING if logging.getLogger("embedpipe").isEnabledFor(logging.INFO) else logging.ERROR
+
+
 def _init(cfg: ClusterConfig) -> None:
     address = cfg.address or submitted_job_address()
+    level = ray_logging_level()
+    for name in RAY_NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(level)
     if address:
         address = _use_token_if_available(address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
@@ -57,8 +70,7 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
-                 logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level)
 
 
 def submitted_job_address() -> str:
