@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,12 +10,54 @@ from typing import Annotated, Iterator, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+# rich_markup_mode=None: click's plain help (no "<bool>" or "<path>" placeholders, no boxes)
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Offline batch embedding: Parquet, JSONL, CSV or HF datasets in, vectors out, on local or remote Ray.")
 
 JobFile = Annotated[Path, typer.Argument(help="The job YAML file.", show_default=False)]
 SetOpt = Annotated[Optional[list[str]], typer.Option(
-    "--set", help="Override a job field: --set output.path=/tmp/out (repeatable).", show_default=False)]
+    "--set", help="Override a job field: --set output.path=/tmp/out (repeatable).", show_default=False,
+    metavar="FIELD=VALUE")]
+Verbose = Annotated[int, typer.Option("-v", "--verbose", count=True, show_default=False,
+                                      help="More log lines: -v info (and Ray's and FAISS's own warnings), -vv debug.")]
+Quiet = Annotated[bool, typer.Option("-q", "--quiet", show_default=False, help="Errors only: no warnings.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        from embedpipe import __version__
+
+        typer.echo(f"embedpipe {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Offline batch embedding: Parquet, JSONL, CSV or HF datasets in, vectors out, on local or remote Ray."""
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
+def _logging(*, verbose: int, quiet: bool) -> None:
+    """The ``embedpipe`` loggers' level from -q/-v: errors only, warnings (the default), info, debug. Ray and
+    FAISS follow it (embedpipe/cluster/connect.py, embedpipe/index/train.py): their own warnings show from -v."""
+    level = logging.ERROR if quiet else {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    logger = logging.getLogger("embedpipe")
+    logger.setLevel(level)
+    handler = next((h for h in logger.handlers if isinstance(h, _Stderr)), None)
+    if handler is None:
+        handler = _Stderr()
+        logger.addHandler(handler)
+        logger.propagate = False  # one line per message, whatever the root logger has
+    handler.setFormatter(logging.Formatter("%(message)s" if level >= logging.WARNING
+                                           else "%(levelname)s %(name)s: %(message)s"))
 
 
 # Exit codes are a contract for schedulers (docs/operations.md): 0 success, then one per kind of failure;
@@ -60,12 +103,14 @@ def _load(job_file: Path, overrides: list[str] | None):
 
 @app.command()
 def run(job_file: JobFile, set_: SetOpt = None,
-        progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
-        overwrite: Annotated[bool, typer.Option(help="Replace another job's output at output.path.")] = False) -> None:
+        progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")] = True,
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace another job's output at output.path.")] = False,
+        verbose: Verbose = 0, quiet: Quiet = False) -> None:
     """Run a job: embed the input and write vectors and report.json under output.path.
 
     Rerunning a job on its own output resumes it: finished units are kept, the rest is redone.
     """
+    _logging(verbose=verbose, quiet=quiet)
     job = _load(job_file, set_)
     from embedpipe.cluster.driver import run_job
     from embedpipe.io.layout import OutputLayout
@@ -81,18 +126,24 @@ def run(job_file: JobFile, set_: SetOpt = None,
 
 
 @app.command()
-def validate(job_file: JobFile, set_: SetOpt = None) -> None:
-    """Check a job file, its input files and its model without running it."""
+def validate(job_file: JobFile, set_: SetOpt = None, verbose: Verbose = 0, quiet: Quiet = False) -> None:
+    """Check a job file, its input files, its model and its output path without running it; print the plan."""
+    _logging(verbose=verbose, quiet=quiet)
     job = _load(job_file, set_)
-    from embedpipe.preflight import preflight
+    from embedpipe.cluster.connect import expected_workers
+    from embedpipe.preflight import check_output_owner, describe_units, preflight
 
     with _exit_codes():
-        plan = preflight(job)
-    typer.echo(f"ok: {job.name}: {len(plan.units)} units, {plan.rows:,} rows; model {plan.model.dir}")
-    if plan.index is not None:
-        from embedpipe.index.plan import describe_plan
+        workers = expected_workers(job.cluster)
+        plan = preflight(job, workers=workers.workers)
+        check_output_owner(job, plan)  # what run refuses about output.path, asked the same way
+        lines = describe_units(plan, workers_source=workers.source)
+        if plan.index is not None:
+            from embedpipe.index.plan import describe_plan
 
-        typer.echo(describe_plan(plan.index))
+            lines.append(describe_plan(plan.index))
+    lines += [f"model: {plan.model.dir}", f"ok: {job.name}"]  # ok last: every check above passed
+    typer.echo("\n".join(lines))
 
 
 @app.command()
@@ -107,10 +158,12 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
                "--json", help="Print one JSON object (query, results with rank, id, score, text; warnings) for "
                               "scripts.")] = False,
            texts: Annotated[bool, typer.Option(
-               help="Show each hit's text, read from the job's input.")] = True) -> None:
+               help="Show each hit's text, read from the job's input.")] = True,
+           verbose: Verbose = 0, quiet: Quiet = False) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable.
 
     The query is encoded in this process (no Ray), with the settings the output's embedpipe.json records."""
+    _logging(verbose=verbose, quiet=quiet)
     from embedpipe.index.search import open_index
 
     with _exit_codes():
@@ -140,9 +193,11 @@ def report(
     project_rows: Annotated[Optional[float], typer.Option(
         help="Also show what a corpus of this many rows would take and cost at the run's rates (e.g. 1e9).",
         show_default=False)] = None,
+    verbose: Verbose = 0, quiet: Quiet = False,
 ) -> None:
     """Re-render a finished output's report (table, report.md, report.png) with the runs that produced it, or one
     run's (OUTPUT/runs/<run id>), or compare two side by side."""
+    _logging(verbose=verbose, quiet=quiet)
     from embedpipe.io.store import tree_path
     from embedpipe.report.render import load_report, render_comparison, render_table, vectors_line
 

@@ -90,8 +90,10 @@ class InputConfig:
     text_column: str = opt("text", "Column holding the text to embed.")
     id_column: str = opt("id", "Column holding each row's id; its type is kept in the output, and must be one type "
                                "across all input files.")
-    unit_rows: int = opt(10_000, "Target rows per work unit: consecutive row groups of one file are grouped up to this many rows "
-                                 "(Parquet); other formats cut each file every this many rows.")
+    unit_rows: int = opt(10_000, "Most rows per work unit: consecutive Parquet row groups of one file are grouped up to "
+                                 "this many rows and a larger row group is cut into row ranges; other formats cut each "
+                                 "file every this many rows. With two or more workers a smaller corpus is cut finer, so "
+                                 "that each worker gets about 4 units (never below 256 rows a unit).")
     on_bad_row: Literal["error", "skip", "embed_empty"] = opt(
         "error", "A row whose text is null, empty, not text or not valid UTF-8, or whose id is null: error stops the run "
                  "naming the row; skip writes no vector and lists the id in `<output.path>/skipped.parquet`; "

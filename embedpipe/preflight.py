@@ -102,6 +102,7 @@ class RunPlan:
     model: ModelPlan
     output: TreePath  # output.path (the versioned root for versioned outputs): a Path, or a Url for object stores
     index: IndexPlan | None  # None for output.format: parquet
+    workers: int = 1  # the workers the units were cut for (embedpipe/units.py: unit_size)
 
     @property
     def model_dir(self) -> Path:
@@ -124,14 +125,18 @@ class RunPlan:
 Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts
 
 
-def preflight(job: JobSpec) -> RunPlan:
-    """Check the job against its output, input and model, in that order of cost; the run's plan."""
+def preflight(job: JobSpec, *, workers: int | None = None) -> RunPlan:
+    """Check the job against its output, input and model, in that order of cost; the run's plan.
+
+    ``workers``: how many workers will share the units (the driver's estimate before it starts Ray,
+    embedpipe/cluster/connect.py: expected_workers); default cluster.workers, else 1."""
+    workers = workers or job.cluster.workers or 1
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
     check_stores(job)
     if job.output.versioned:
         check_current(tree_path(job.output.path))
-    inputs = plan_input(job.input)  # lists the input, checks its columns and text type, cuts the units
+    inputs = plan_input(job.input, workers=workers)  # lists the input, checks its columns and text, cuts the units
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
                                          policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
@@ -140,7 +145,35 @@ def preflight(job: JobSpec) -> RunPlan:
     if job.output.format != "parquet":
         index = plan_index(job, rows=sum(u.num_rows for u in units), model=model.index_facts())
     return RunPlan(files=inputs.files, units=units, duplicate_rows=dropped, model=model,
-                   output=tree_path(job.output.path), index=index)
+                   output=tree_path(job.output.path), index=index, workers=workers)
+
+
+def check_output_owner(job: JobSpec, plan: RunPlan) -> None:
+    """What ``run`` refuses about output.path, asked the same way without writing: a folder embedpipe did not
+    create (OutputNotOwned, exit 5), and one holding another job's output (ManifestMismatch, exit 2)."""
+    from embedpipe.io.manifest import Manifest, job_fingerprint
+    from embedpipe.io.ownership import check_output
+
+    check_output(job.output.path)
+    if not job.output.versioned:  # a versioned root starts a new version for another job
+        Manifest(job.output.path).check_job(job_fingerprint(job, files=plan.files, model_dir=plan.model_dir))
+
+
+def describe_units(plan: RunPlan, *, workers_source: str) -> list[str]:
+    """The work plan for ``embedpipe validate``: files, units, rows per unit, workers; a warning line when a
+    worker would get no unit."""
+    sizes = sorted(u.num_rows for u in plan.units)
+    per_unit = (f"{sizes[0]:,} rows each" if sizes and sizes[0] == sizes[-1]
+                else f"{sizes[0]:,} to {sizes[-1]:,} rows each" if sizes else "no rows")
+    files = f"{len(plan.files)} file{'s' * (len(plan.files) != 1)}"
+    lines = [f"plan: {len(plan.units)} units, {plan.rows:,} rows ({per_unit}) from {files}, for {plan.workers} "
+             f"worker{'s' * (plan.workers != 1)} ({workers_source})"]
+    idle = plan.workers - len(plan.units)
+    if idle > 0:
+        lines.append(f"warning: {idle} of {plan.workers} workers would sit idle: {len(plan.units)} units for "
+                     f"{plan.workers} workers (units hold at least {min(sizes or [0]):,} rows); use fewer "
+                     f"cluster.workers, or lower input.unit_rows below that")
+    return lines
 
 
 def check_output_settings(output: OutputConfig) -> None:

@@ -48,8 +48,21 @@ def _keep_signal_handlers() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+# Ray's notices about itself on an embedded Ray (its token-auth notice on every start, among them): shown only
+# with -v (embedpipe's loggers at INFO or below); errors always show.
+RAY_NOTICE_LOGGERS = ("ray._private.authentication",)
+
+
+def ray_logging_level() -> int:
+    """Ray's own level from embedpipe's: WARNING with -v (or lower), else ERROR."""
+    return logging.WARNING if logging.getLogger("embedpipe").isEnabledFor(logging.INFO) else logging.ERROR
+
+
 def _init(cfg: ClusterConfig) -> None:
     address = cfg.address or submitted_job_address()
+    level = ray_logging_level()
+    for name in RAY_NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(level)
     if address:
         address = _use_token_if_available(address)
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
@@ -57,8 +70,7 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False,
-                 logging_level=logging.WARNING)
+        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level)
 
 
 def submitted_job_address() -> str:
@@ -141,6 +153,36 @@ def _token_mode() -> None:
         Config.initialize("")
     except (ImportError, AttributeError):  # older Ray without token auth
         pass
+
+
+@dataclass(frozen=True)
+class ExpectedWorkers:
+    workers: int
+    source: str  # where the number comes from, for `embedpipe validate`
+
+
+def expected_workers(cfg: ClusterConfig) -> ExpectedWorkers:
+    """How many workers a run will start, known before Ray is (the planner cuts units for them): cluster.workers;
+    else, as plan_workers decides, one per GPU (one on CPU) of the Ray already connected or of this machine
+    for the embedded Ray. A cluster to join with cluster.workers unset is sized only once joined: 1 is
+    assumed, and the run warns when the cluster holds more."""
+    if cfg.workers:
+        return ExpectedWorkers(cfg.workers, "cluster.workers")
+    if ray.is_initialized():
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        return ExpectedWorkers(max(gpus, 1), f"one per GPU of the connected Ray ({gpus})" if gpus else "no GPU: one")
+    if cfg.address or submitted_job_address():
+        return ExpectedWorkers(1, "assumed: the cluster's size is known once joined (set cluster.workers)")
+    gpus = _local_gpus()
+    return ExpectedWorkers(max(gpus, 1), f"one per GPU of this machine ({gpus})" if gpus else "no GPU: one")
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def plan_workers(cfg: ClusterConfig) -> WorkerPlan:

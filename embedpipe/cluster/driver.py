@@ -21,7 +21,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import connect, plan_workers, submitted_job_address
+from embedpipe.cluster.connect import connect, expected_workers, plan_workers, submitted_job_address
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe.cluster.shards import shard_runner
@@ -34,7 +34,7 @@ from embedpipe.io.describe import OutputDescription, read_description, write_des
 from embedpipe.io.fs import use_job_storage
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
-from embedpipe.io.manifest import Manifest, job_fingerprint, vector_salt
+from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_salt
 from embedpipe.io.quantize import Calibration, read_record
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
@@ -45,6 +45,7 @@ from embedpipe.report.history import record_run
 from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import build_report, write_report
+from embedpipe.units import UNITS_PER_WORKER, Unit
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     with _signals_interrupt():
         use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
-        plan = preflight(job)  # bad files, ids or model: fail here, before any worker starts
+        plan = preflight(job, workers=expected_workers(job.cluster).workers)  # bad files, ids or model: fail here
         try:
             with OutputLock(job.output.path, mode=job.output.lock) as lock:
                 if job.output.versioned:
@@ -131,8 +132,7 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
         if job.output.versioned:
             fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
             output = OutputLayout(output).version(versions.choose_version(output, fingerprint)).root
-        unit_ids = {u.id for u in plan.units}
-        return sum(1 for unit_id in Manifest(output).done() if unit_id in unit_ids)
+        return len(done_units(Manifest(output).done(), plan.units))
     except (OSError, ValueError) as exc:
         log.warning("units done unknown: %s", exc)
         return None
@@ -179,8 +179,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     OutputLayout(output).store.mkdir(output)
     fingerprint = fingerprint or job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
     manifest = Manifest.open(output, fingerprint, overwrite=overwrite)
-    unit_ids = {u.id for u in plan.units}
-    done = {k: v for k, v in manifest.done(verify=True).items() if k in unit_ids}  # parts checked by sha256
+    done = done_units(manifest.done(verify=True), plan.units)  # parts checked by sha256, rows by the plan's
     manifest.clean_partials(done)  # temporaries, unrecorded units' files, orphan parts of other attempts
     todo = [u for u in plan.units if u.id not in done]
     if done:
@@ -195,6 +194,10 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         started_ray = connect(job.cluster)
         try:
             workers = plan_workers(job.cluster)
+            if workers.workers > plan.workers and len(plan.units) < workers.workers * UNITS_PER_WORKER:
+                log.warning("%d units were cut for %d worker(s), the cluster runs %d: set cluster.workers: %d so "
+                            "each worker gets its share", len(plan.units), plan.workers, workers.workers,
+                            workers.workers)
             model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
@@ -225,7 +228,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
-            finished = _finish_parts(manifest, unit_ids)
+            finished = _finish_parts(manifest, plan.units)
             # while Ray is up: sample, train, add (shards on this Ray's workers), merge, recall
             index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
@@ -285,10 +288,10 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
             ray.shutdown()
 
 
-def _finish_parts(manifest: Manifest, unit_ids: set[str]) -> dict[str, dict]:
+def _finish_parts(manifest: Manifest, units: list[Unit]) -> dict[str, dict]:
     """After the last unit: the finished units' records; every part no record names (an orphan of a killed or
     timed-out attempt) is deleted, so vectors/ holds each row once for readers of the folder itself."""
-    done = {k: v for k, v in manifest.done().items() if k in unit_ids}
+    done = done_units(manifest.done(), units)
     manifest.clean_partials(done)
     return done
 

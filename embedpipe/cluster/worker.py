@@ -97,7 +97,7 @@ class EmbedWorker:
                 atomic_write_table(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done
         self.manifest.record(unit.id, parts=[part], file=unit.file, row_groups=list(unit.row_groups),
-                             counters=counters.to_dict())
+                             row_start=unit.row_start, num_rows=unit.num_rows, counters=counters.to_dict())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
                           started=started, finished=time.time(), device=self.device, node=self.node)

@@ -4,6 +4,10 @@ faiss-gpu sees one)."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 
@@ -40,5 +44,26 @@ def train_index(spec: IndexSpec, sample: np.ndarray, *, dim: int, metric: str):
         ivf = faiss.extract_index_ivf(index)
         ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlat(ivf.d, faiss_metric(metric)))
         log.info("training %s: coarse k-means on %d GPU(s)", spec.factory, gpus)
-    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    index.verbose = log.isEnabledFor(logging.DEBUG)  # FAISS's own progress lines with -vv
+    with native_stderr():
+        index.train(np.ascontiguousarray(sample, dtype=np.float32))
     return index
+
+
+@contextmanager
+def native_stderr() -> Iterator[None]:
+    """FAISS's C++ writes to file descriptor 2 itself (k-means warnings such as "WARNING clustering 1000 points
+    to 256 centroids", once per sub-quantizer and OPQ iteration): sent to /dev/null unless -v (embedpipe's
+    loggers at INFO)."""
+    if log.isEnabledFor(logging.INFO):
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

@@ -2,7 +2,7 @@
 
 | format      | files                                  | unit                                          |
 | ----------- | -------------------------------------- | --------------------------------------------- |
-| parquet     | ``*.parquet`` (file, folder, glob)     | consecutive row groups, ``<file>-<row group>`` |
+| parquet     | ``*.parquet`` (file, folder, glob)     | consecutive row groups, ``<file>-<row group>``, or a row range of one (``-<row>``) |
 | jsonl       | ``*.jsonl``, ``*.ndjson``              | ``unit_rows`` records as one byte range        |
 | csv         | ``*.csv`` (with a header row)          | ``unit_rows`` rows as one byte range           |
 | huggingface | a ``save_to_disk`` folder or a cache name | ``unit_rows`` rows of one arrow shard       |
@@ -38,28 +38,28 @@ Reader = Callable[[Unit], ScreenedRows]  # and .columns(unit, names) -> pa.Table
 class InputFormat:
     extensions: tuple[str, ...]  # what a folder walk collects, and what `auto` maps to this format
     list_files: Callable[[InputConfig], list[str]]
-    plan_units: Callable[[list[str], InputConfig], list[Unit]]  # checks the columns, cuts the units
+    plan_units: Callable[..., list[Unit]]  # (files, cfg, workers=) checks the columns, cuts the units
     reader: Callable[..., Reader]  # reader(text_column=, id_column=, on_bad_row=): built once per worker
 
 
-def _plan_parquet(files: list[str], cfg: InputConfig) -> list[Unit]:
+def _plan_parquet(files: list[str], cfg: InputConfig, *, workers: int = 1) -> list[Unit]:
     for file in files:  # a bad file fails here, before any model is loaded
         with check_columns(file, text_column=cfg.text_column, id_column=cfg.id_column) as pf:
             text_type = pf.schema_arrow.field(cfg.text_column).type
         if not is_text_type(text_type) and cfg.on_bad_row == "error":
             raise InputError(f"{file}: column {cfg.text_column!r} holds {text_type}, not text: set "
                              f"input.text_column to a text column (or input.on_bad_row to skip them)")
-    return plan_units(files, unit_rows=cfg.unit_rows)
+    return plan_units(files, unit_rows=cfg.unit_rows, workers=workers)
 
 
-def _plan_text(files: list[str], cfg: InputConfig, *, fmt: str) -> list[Unit]:
+def _plan_text(files: list[str], cfg: InputConfig, *, fmt: str, workers: int = 1) -> list[Unit]:
     return plan_text_units(files, fmt=fmt, text_column=cfg.text_column, id_column=cfg.id_column,
-                           unit_rows=cfg.unit_rows)
+                           unit_rows=cfg.unit_rows, workers=workers)
 
 
-def _plan_hf(files: list[str], cfg: InputConfig) -> list[Unit]:
+def _plan_hf(files: list[str], cfg: InputConfig, *, workers: int = 1) -> list[Unit]:
     return plan_arrow_units(files, text_column=cfg.text_column, id_column=cfg.id_column, unit_rows=cfg.unit_rows,
-                            on_bad_row=cfg.on_bad_row)
+                            on_bad_row=cfg.on_bad_row, workers=workers)
 
 
 def _files(cfg: InputConfig, *, extensions: tuple[str, ...], kind: str) -> list[str]:
@@ -112,12 +112,13 @@ class InputPlan:
     units: list[Unit]
 
 
-def plan_input(cfg: InputConfig) -> InputPlan:
-    """The job's work units: list the input, check its columns, cut it into deterministic units."""
+def plan_input(cfg: InputConfig, *, workers: int = 1) -> InputPlan:
+    """The job's work units: list the input, check its columns, cut it into deterministic units of at most
+    ``input.unit_rows`` rows, about ``UNITS_PER_WORKER`` or more per worker (``embedpipe/units.py: unit_size``)."""
     name = resolve_format(cfg)
     fmt = FORMATS[name]
     files = fmt.list_files(cfg)
-    return InputPlan(format=name, files=files, units=fmt.plan_units(files, cfg))
+    return InputPlan(format=name, files=files, units=fmt.plan_units(files, cfg, workers=workers))
 
 
 class UnitReader:

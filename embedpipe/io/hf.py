@@ -22,7 +22,7 @@ import pyarrow as pa
 from embedpipe.io import fs
 from embedpipe.io.reader import ScreeningReader
 from embedpipe.io.rows import is_text_type
-from embedpipe.units import InputError, Unit
+from embedpipe.units import InputError, Unit, unit_size
 
 
 def is_saved_dataset(path: str) -> bool:
@@ -48,21 +48,22 @@ def dataset_files(path: str, *, split: str | None) -> list[str]:
 
 
 def plan_arrow_units(files: list[str], *, text_column: str, id_column: str, unit_rows: int,
-                     on_bad_row: str = "error") -> list[Unit]:
-    """Row ranges of ``unit_rows`` rows within each shard; checks the columns on the way."""
-    units: list[Unit] = []
-    for file_index, file in enumerate(files):
+                     on_bad_row: str = "error", workers: int = 1) -> list[Unit]:
+    """Row ranges of ``unit_size(...)`` rows (at most ``unit_rows``) within each shard; checks the columns on
+    the way."""
+    shard_rows: list[int] = []
+    for file in files:
         with _open_stream(file) as reader:
             _check_columns(file, reader.schema, text_column=text_column, id_column=id_column)
             text_type = reader.schema.field(text_column).type
             if not is_text_type(text_type) and on_bad_row == "error":
                 raise InputError(f"{file}: column {text_column!r} holds {text_type}, not text: set "
                                  f"input.text_column to a text column (or input.on_bad_row to skip them)")
-            rows = sum(batch.num_rows for batch in reader)
-        for start in range(0, rows, unit_rows):
-            units.append(Unit(f"{file_index:05d}-{start:010d}", file, (), min(unit_rows, rows - start),
-                              format="huggingface", row_start=start))
-    return units
+            shard_rows.append(sum(batch.num_rows for batch in reader))
+    size = unit_size(sum(shard_rows), unit_rows=unit_rows, workers=workers)
+    return [Unit(f"{file_index:05d}-{start:010d}", file, (), min(size, rows - start), format="huggingface",
+                 row_start=start)
+            for file_index, (file, rows) in enumerate(zip(files, shard_rows)) for start in range(0, rows, size)]
 
 
 class ArrowShardReader(ScreeningReader):

@@ -29,6 +29,7 @@ from embedpipe.io.cache import cache_dir
 from embedpipe.io.layout import MANIFEST, OWNED, PART_NAME, RECORD_NAME, TEMP_NAME, OutputLayout, atomic_write_bytes
 from embedpipe.io.store import Store, Written
 from embedpipe.io.ownership import ManifestMismatch, claim_output, remove_owned
+from embedpipe.units import Unit
 
 atomic_write = atomic_write_bytes  # the layout's one atomic write, under its earlier name
 __all__ = ["MANIFEST", "PART_NAME", "RECORD_NAME", "TEMP_NAME", "atomic_write"]
@@ -178,23 +179,29 @@ class Manifest:
         claim_output(manifest.output, kind="run")
         if overwrite:
             manifest.clear()
-        job_file = manifest.layout.job
-        if manifest.store.exists(job_file):
-            old = _read_json(manifest.store, job_file)
-            if old is None:
-                raise ManifestMismatch(f"{job_file} is unreadable (not the JSON embedpipe writes): pass --overwrite "
-                                       f"to replace this output, or choose a new output.path")
-            if old.get("sha256") != fingerprint["sha256"]:
-                changed = [k for k in ("inputs", "model", "settings") if old.get(k) != fingerprint[k]]
-                if "model" in changed:  # name both folders: the content differs even where the path does not
-                    changed[changed.index("model")] = (f"model (its files' contents: was {old.get('model_dir', '?')}, "
-                                                       f"now {fingerprint.get('model_dir', '?')})")
-                raise ManifestMismatch(
-                    f"{manifest.output} holds the output of another job (changed: {', '.join(changed)}): "
-                    f"choose a new output.path, or pass --overwrite to replace it")
-        else:
-            atomic_write(job_file, json.dumps(fingerprint, indent=2, default=str).encode())
+        if not manifest.check_job(fingerprint):
+            atomic_write(manifest.layout.job, json.dumps(fingerprint, indent=2, default=str).encode())
         return manifest
+
+    def check_job(self, fingerprint: dict[str, Any]) -> bool:
+        """Refuse (ManifestMismatch) an output holding another job's output; True when it holds this job's,
+        False when it holds none yet. Reads only: ``open`` (run) and ``embedpipe validate`` both ask here."""
+        job_file = self.layout.job
+        if not self.store.exists(job_file):
+            return False
+        old = _read_json(self.store, job_file)
+        if old is None:
+            raise ManifestMismatch(f"{job_file} is unreadable (not the JSON embedpipe writes): pass --overwrite "
+                                   f"to replace this output, or choose a new output.path")
+        if old.get("sha256") != fingerprint["sha256"]:
+            changed = [k for k in ("inputs", "model", "settings") if old.get(k) != fingerprint[k]]
+            if "model" in changed:  # name both folders: the content differs even where the path does not
+                changed[changed.index("model")] = (f"model (its files' contents: was {old.get('model_dir', '?')}, "
+                                                   f"now {fingerprint.get('model_dir', '?')})")
+            raise ManifestMismatch(
+                f"{self.output} holds the output of another job (changed: {', '.join(changed)}): "
+                f"choose a new output.path, or pass --overwrite to replace it")
+        return True
 
     def clear(self) -> None:
         """--overwrite: remove what embedpipe writes here (links themselves, never their targets), nothing else."""
@@ -289,6 +296,27 @@ class Manifest:
         }
         atomic_write(self.layout.unit_record(unit_id), json.dumps(record, indent=1).encode())
         return record
+
+
+def covers(record: dict[str, Any], unit: Unit) -> bool:
+    """The record was written for exactly this unit's rows: the same file range and row count (a unit id
+    alone is not enough once units are cut to the workers: ``00000-0000000000`` holds 375 rows for two
+    workers and 10,000 for one). Records from before the rows were recorded: the same row groups and as
+    many rows embedded or skipped as the unit holds."""
+    if "num_rows" in record:
+        return (record.get("row_start") == unit.row_start and record["num_rows"] == unit.num_rows
+                and list(record.get("row_groups", [])) == list(unit.row_groups))
+    counters = record.get("counters") or {}
+    rows = counters.get("rows", 0) + counters.get("skipped_rows", 0)
+    return list(record.get("row_groups", [])) == list(unit.row_groups) and rows == unit.num_rows
+
+
+def done_units(records: dict[str, dict[str, Any]], units: Iterable[Unit]) -> dict[str, dict[str, Any]]:
+    """Of the manifest's done records, those of the plan's units that cover exactly the unit's rows; a record
+    of another cut (another worker count, an earlier embedpipe) is left out, so clean_partials removes it and
+    its part and the unit is encoded again: every row is written once."""
+    by_id = {u.id: u for u in units}
+    return {k: v for k, v in records.items() if k in by_id and covers(v, by_id[k])}
 
 
 def _read_json(store: Store, path) -> Any:

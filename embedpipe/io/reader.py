@@ -57,14 +57,19 @@ class ScreeningReader:
 
 
 class ParquetReader(ScreeningReader):
-    """Parquet: the unit's row groups."""
+    """Parquet: the unit's row groups; of a row range inside one row group, only its rows."""
 
     def read(self, unit: Unit, names: list[str]) -> pa.Table:
         with check_columns(unit.file, text_column=self.text_column, id_column=self.id_column) as pf:
             try:
-                return pf.read_row_groups(list(unit.row_groups), columns=names)
+                table = pf.read_row_groups(list(unit.row_groups), columns=names)
             except Exception as exc:  # a corrupt page shows only when read
                 raise InputError(f"{unit.label}: cannot read ({exc}): replace or remove the file") from exc
+            meta = pf.metadata
+        if not unit.in_row_group:
+            return table  # whole row groups (a changed file shows as a changed row count)
+        offset = unit.row_start - sum(meta.row_group(rg).num_rows for rg in range(unit.row_groups[0]))
+        return table.slice(offset, unit.num_rows)  # a row range inside the row group
 
 
 def screen_unit(table: pa.Table, unit: Unit, *, text_column: str, id_column: str, on_bad_row: str) -> ScreenedRows:

@@ -1,6 +1,7 @@
 """JSONL and CSV inputs through pyarrow: row-range units found by one scan, read as byte ranges.
 
-Planning reads each file once, front to back, and cuts it every ``input.unit_rows`` records; a
+Planning reads each file once, front to back, and cuts it every ``input.unit_rows`` records (a small
+corpus twice, at the smaller size that gives every worker its units: ``embedpipe/units.py``); a
 unit is ``(first row, row count, first byte, end byte)``, so the same file always gives the same
 units and a worker reads only its unit's bytes (a seek and one read, also on object stores).
 
@@ -34,7 +35,7 @@ import pyarrow.json as pajson
 
 from embedpipe.io import fs
 from embedpipe.io.reader import ScreeningReader
-from embedpipe.units import InputError, Unit
+from embedpipe.units import InputError, Unit, unit_size
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip", ".snappy")
 BLOCK = 1 << 20  # bytes read at a time while scanning
@@ -191,8 +192,19 @@ def _unclosed(name: str, line: int) -> InputError:
                       f"inside a quoted field as \"\", or remove it")
 
 
-def plan_text_units(files: list[str], *, fmt: str, text_column: str, id_column: str, unit_rows: int) -> list[Unit]:
-    """Cut every file into units of ``unit_rows`` records; checks the columns on the way."""
+def plan_text_units(files: list[str], *, fmt: str, text_column: str, id_column: str, unit_rows: int,
+                    workers: int = 1) -> list[Unit]:
+    """Cut every file into units of ``unit_size(...)`` records (at most ``unit_rows``); checks the columns on the
+    way. The scan cuts at ``unit_rows``; when that gives too few units for the workers, the files are scanned
+    again at the smaller size (a second read only of a corpus under ``4 x workers x unit_rows`` rows)."""
+    units = _plan_text(files, fmt=fmt, text_column=text_column, id_column=id_column, unit_rows=unit_rows)
+    size = unit_size(sum(u.num_rows for u in units), unit_rows=unit_rows, workers=workers)
+    if size < unit_rows:
+        units = _plan_text(files, fmt=fmt, text_column=text_column, id_column=id_column, unit_rows=size)
+    return units
+
+
+def _plan_text(files: list[str], *, fmt: str, text_column: str, id_column: str, unit_rows: int) -> list[Unit]:
     units: list[Unit] = []
     for file_index, file in enumerate(files):
         if file.lower().endswith(COMPRESSED):

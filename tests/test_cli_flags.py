@@ -1,0 +1,76 @@
+"""CLI conventions through the real `embedpipe` command: --version, -q/-v on every command, plain help, and an
+embedded run that prints no Ray or FAISS warning at the default level (their notices show with -v)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import embedpipe
+from tests.conftest import QUICKSTART, ROOT, write_job
+from tests.model_helpers import save_tiny_text_model
+
+COMMANDS = ("run", "validate", "search", "report")
+RAY_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(WARNING|INFO|ERROR)")  # Ray's own logger format
+
+
+def _embedpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "COLUMNS": "100"}
+    return subprocess.run([sys.executable, "-m", "embedpipe.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_version():
+    result = _embedpipe("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"embedpipe {embedpipe.__version__}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_takes_quiet_and_verbose_and_its_help_has_no_placeholders(command):
+    result = _embedpipe(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "-q, --quiet" in result.stdout and "-v, --verbose" in result.stdout
+    assert "<bool>" not in result.stdout
+
+
+@pytest.fixture(scope="module")
+def small_job(tmp_path_factory) -> Path:
+    """300 real rows, a tiny model, and an index whose k-means has too few points (FAISS warns about it)."""
+    folder = tmp_path_factory.mktemp("flags")
+    corpus = folder / "small.parquet"
+    pq.write_table(pq.read_table(QUICKSTART).slice(0, 300).select(["id", "text"]), corpus)
+    model = save_tiny_text_model(folder / "tiny")
+    return write_job(folder / "job.yaml", input={"path": str(corpus)}, model={"path": str(model)},
+                     output={"path": str(folder / "out"), "format": "both", "index": "IVF16,PQ8x4"},
+                     cluster={"workers": 1, "cpus_per_worker": 1})
+
+
+def _noise(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines()
+            if RAY_LOG_LINE.match(line) or "Token authentication" in line or "WARNING clustering" in line]
+
+
+@pytest.mark.slow
+def test_an_embedded_run_prints_no_ray_or_faiss_warning_unless_verbose(small_job, tmp_path):
+    quiet = _embedpipe("run", str(small_job), "--no-progress", "--overwrite", timeout=600)
+    assert quiet.returncode == 0, quiet.stderr
+    assert _noise(quiet.stderr) == [], quiet.stderr
+    loud = _embedpipe("run", str(small_job), "--no-progress", "--overwrite", "-v", timeout=600)
+    assert loud.returncode == 0, loud.stderr
+    assert any("WARNING clustering" in line for line in _noise(loud.stderr)), loud.stderr  # the probe sees them
+    assert "INFO embedpipe" in loud.stderr  # embedpipe's own info lines
+
+
+def test_quiet_still_prints_the_error(tmp_path, small_job):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "thesis.tex").write_text("mine")
+    job = write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART)}, model={"path": str(small_job.parent / "tiny")},
+                    output={"path": str(tmp_path / "out")})
+    result = _embedpipe("run", str(job), "-q", "--no-progress")
+    assert result.returncode == 5 and result.stderr.startswith("error: "), result.stderr
