@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import pyarrow as pa
@@ -21,6 +21,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
+from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.connect import connect, plan_workers, submitted_job_address
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
@@ -145,9 +146,9 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
     version = versions.choose_version(root, fingerprint)
     incremental, reencode_reason = None, None
     if job.output.incremental:
-        parts = versions.previous_parts(root)  # the current version's intact parts, from its manifest
+        parts, units = versions.previous_units(root)  # the current version's intact parts, from its manifest
         incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job)
-                                  if parts else None, previous_parts=parts)
+                                  if parts else None, previous_parts=parts, previous_units=units)
         reencode_reason = versions.reencode_reason(root, fingerprint)
         if reencode_reason:
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
@@ -188,10 +189,13 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     devices: dict[int, DeviceInfo] = {}  # slot -> the device its worker measured
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
     finished = done  # the units with a record once the scheduler is through (this run's added below)
+    diff = None  # the incremental diff's report section, when there was a previous version to look in
     if todo:
         started_ray = connect(job.cluster)
         try:
             workers = plan_workers(job.cluster)
+            if incremental is not None and incremental.previous:  # before any worker takes a unit
+                incremental, diff = _diff_night(job, todo, incremental)
             model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
@@ -248,6 +252,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     if incremental is not None:
         report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
+        if diff is not None:
+            report["incremental"]["diff"] = diff
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,
@@ -256,6 +262,14 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
     report = record_run(output, report, started_at=started_at, this_run=this_run)  # runs/<id>/, then the output's
     return RunResult(output_path=output, report=report)
+
+
+def _diff_night(job: JobSpec, todo: list, incremental: Incremental) -> tuple[Incremental, dict]:
+    """The night's diff as Ray tasks (embedpipe/cluster/diff.py), handed to the workers with the Incremental."""
+    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units)
+    log.info("incremental diff: %s", night.stats.to_dict())
+    return replace(incremental, previous_units={}, same_part=night.same_part, moved=night.moved), \
+        night.stats.to_dict()
 
 
 def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
