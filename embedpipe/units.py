@@ -8,6 +8,7 @@ order, so a unit id names the same rows across runs (the manifest and resume rel
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow.parquet as pq
@@ -48,21 +49,47 @@ def list_files(path: str, *, suffixes: tuple[str, ...] = (".parquet",), kind: st
     return files
 
 
-def plan_units(files: list[str], *, unit_rows: int) -> list[Unit]:
-    """Group each file's consecutive row groups into units of about ``unit_rows`` rows."""
+FOOTER_THREADS = 32  # footers read at once: each is one or two small GETs on an object store, a local read here
+
+
+@dataclass(frozen=True)
+class Footer:
+    """What planning keeps of a Parquet file's footer: its schema and its row groups' row counts."""
+
+    schema: object  # pa.Schema
+    row_group_rows: tuple[int, ...]
+
+
+def read_footer(file: str) -> Footer:
+    try:
+        with pq.ParquetFile(fs.arrow_source(file)) as pf:
+            meta = pf.metadata
+            return Footer(schema=pf.schema_arrow, row_group_rows=tuple(meta.row_group(rg).num_rows
+                                                                      for rg in range(meta.num_row_groups)))
+    except StorageError:  # the store's own line already names the URL and the fix
+        raise
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
+
+
+def read_footers(files: list[str], *, threads: int = FOOTER_THREADS) -> list[Footer]:
+    """Every file's footer, ``threads`` at a time; the driver keeps only the small ``Footer`` of each. A bad
+    file raises as a serial read would: the first one in listing order."""
+    if len(files) <= 1:
+        return [read_footer(f) for f in files]
+    with ThreadPoolExecutor(min(threads, len(files))) as pool:
+        return list(pool.map(read_footer, files))
+
+
+def plan_units(files: list[str], *, unit_rows: int, footers: list[Footer] | None = None) -> list[Unit]:
+    """Group each file's consecutive row groups into units of about ``unit_rows`` rows (``footers``: the
+    files' footers when the caller read them already)."""
     units: list[Unit] = []
-    for file_index, file in enumerate(files):
-        try:
-            with pq.ParquetFile(fs.arrow_source(file)) as pf:
-                meta = pf.metadata
-        except StorageError:  # the store's own line already names the URL and the fix
-            raise
-        except Exception as exc:  # pyarrow raises several types for corrupt files
-            raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
+    for file_index, (file, footer) in enumerate(zip(files, footers if footers is not None else read_footers(files))):
         start, rows, first_row = 0, 0, 0
-        for rg in range(meta.num_row_groups):
-            rows += meta.row_group(rg).num_rows
-            last = rg == meta.num_row_groups - 1
+        for rg, rg_rows in enumerate(footer.row_group_rows):
+            rows += rg_rows
+            last = rg == len(footer.row_group_rows) - 1
             if rows >= unit_rows or last:
                 if rows:
                     units.append(Unit(f"{file_index:05d}-{start:05d}", file, tuple(range(start, rg + 1)), rows,
