@@ -19,6 +19,7 @@ content hash is compared by the worker, which hashes its rows' texts anyway.
 
 from __future__ import annotations
 
+import resource
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -51,18 +52,20 @@ class DiffStats:
     parts_read: int = 0  # previous parts whose ids were read (each once)
     seconds: float = 0.0
     buckets: int = 0
+    peak_rss_mb: float = 0.0  # the largest peak resident memory of a process that ran a map task
 
     def add(self, other: "DiffStats") -> None:
         self.looked_up += other.looked_up
         self.same_unit += other.same_unit
         self.joined += other.joined
         self.parts_read += other.parts_read
+        self.peak_rss_mb = max(self.peak_rss_mb, other.peak_rss_mb)
 
     def to_dict(self) -> dict:
         return {"method": "same unit, then a hash-partitioned join of ids", "seconds": round(self.seconds, 3),
                 "looked_up": self.looked_up, "same_unit": self.same_unit, "joined": self.joined,
                 "new": self.looked_up - self.same_unit - self.joined, "parts_read": self.parts_read,
-                "buckets": self.buckets}
+                "buckets": self.buckets, "task_peak_rss_mb": round(self.peak_rss_mb, 1)}
 
 
 @dataclass
@@ -120,13 +123,13 @@ def map_units(tasks: list[UnitTask], *, parts: tuple[str, ...], id_column: str, 
         pieces.append(_side(pc.filter(tonight, pc.invert(found)), unit=task.index))
         gone = pc.invert(pc.is_in(before, value_set=tonight))
         pieces.append(_side(pc.filter(before, gone), part=task.same_part))
-    return stats, _partition(pieces, buckets)
+    return _peak(stats), _partition(pieces, buckets)
 
 
 def map_parts(indexes: list[int], *, parts: tuple[str, ...], buckets: int) -> tuple[DiffStats, list[pa.Table]]:
     """Previous parts no unit of tonight claims: all their ids go to the join."""
     pieces = [_side(read_part_ids(parts[i]), part=i) for i in indexes]
-    return DiffStats(parts_read=len(indexes)), _partition(pieces, buckets)
+    return _peak(DiffStats(parts_read=len(indexes))), _partition(pieces, buckets)
 
 
 def join_bucket(*pieces: pa.Table) -> pa.Table:
@@ -212,6 +215,11 @@ def _hash64(ids: pa.Array) -> np.ndarray:
     h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return h ^ (h >> np.uint64(31))
+
+
+def _peak(stats: DiffStats) -> DiffStats:
+    stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return stats
 
 
 def _valid(ids: pa.ChunkedArray | pa.Array) -> pa.Array:
