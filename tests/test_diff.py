@@ -94,7 +94,7 @@ def test_the_diff_and_lookups_read_each_previous_part_a_bounded_number_of_times(
     previous = {unit_key(str(data), u.id): by_path[p] for u, p in zip(units, parts)}  # night 1 read the same file
     reader = UnitReader(text_column="text", id_column="id")
 
-    diff = diff_locally(units, parts=parts, previous=previous, id_column="id", reader=reader)
+    diff = diff_locally(units, parts=parts, previous=previous, id_column="id", reader=reader, buckets=4)
     assert diff.stats.looked_up == n and diff.stats.joined == 16 and diff.stats.same_unit == n - 17
     assert diff.stats.parts_read == len(parts)
     lookup = PreviousVectors(f"{counting_store}/vectors", parts=parts)

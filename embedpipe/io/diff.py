@@ -31,8 +31,9 @@ import pyarrow.parquet as pq
 from embedpipe.io import fs
 from embedpipe.units import Unit
 
-MAP_UNITS = 32  # units per map task: keeps (map tasks x buckets) pieces in the thousands at 10^4 units
-ROWS_PER_BUCKET = 200_000  # leftover rows a join task expects; the bucket count follows from the rows
+MAP_UNITS = 32  # units per map task: (map tasks x buckets) Ray objects stay under ~40k at 10^4 units
+ROWS_PER_BUCKET = 1_000_000  # input rows per join bucket: at a few % leftovers, tens of thousands of ids each
+MAX_BUCKETS = 64
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def unclaimed_parts(tasks: list[UnitTask], parts: tuple[str, ...]) -> list[int]:
 
 
 def bucket_count(rows: int) -> int:
-    return int(min(256, max(1, rows // ROWS_PER_BUCKET)))
+    return int(min(MAX_BUCKETS, max(1, rows // ROWS_PER_BUCKET)))
 
 
 def map_units(tasks: list[UnitTask], *, parts: tuple[str, ...], id_column: str, reader,
@@ -157,10 +158,10 @@ def group_moved(matches: list[pa.Table], units: list[Unit]) -> dict[str, pa.Tabl
 
 
 def diff_locally(units: list[Unit], *, parts: tuple[str, ...], previous: dict[tuple[str, str], int],
-                 id_column: str, reader, threads: int = 8) -> NightDiff:
+                 id_column: str, reader, threads: int = 8, buckets: int | None = None) -> NightDiff:
     """The same tasks on threads in this process (no Ray: tests, and a run without a cluster)."""
     tasks = unit_tasks(units, previous)
-    buckets = bucket_count(sum(u.num_rows for u in units))
+    buckets = buckets or bucket_count(sum(u.num_rows for u in units))
     with ThreadPoolExecutor(threads) as pool:
         maps = [pool.submit(map_units, tasks[i:i + MAP_UNITS], parts=parts, id_column=id_column, reader=reader,
                             buckets=buckets) for i in range(0, len(tasks), MAP_UNITS)]
