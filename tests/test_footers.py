@@ -71,3 +71,16 @@ def test_a_bad_file_fails_planning_naming_the_first_in_listing_order(slow_store)
             out.write(b"not parquet")
     with pytest.raises(InputError, match="part-002.parquet"):
         plan_input(InputConfig(path=f"{slow_store}/in", unit_rows=20))
+
+
+def test_the_duplicate_id_check_reads_the_units_ids_in_parallel(slow_store):
+    from embedpipe.io.formats import UnitReader
+    from embedpipe.preflight import _resolve_duplicates
+
+    _files(slow_store, 24)
+    plan = plan_input(InputConfig(path=f"{slow_store}/in", unit_rows=30))
+    SlowMemory.most = 0
+    units, dropped = _resolve_duplicates(plan.units, reader=UnitReader(text_column="text", id_column="id"),
+                                         id_column="id", policy="error")
+    assert dropped == 0 and units == plan.units
+    assert SlowMemory.most > 4  # was one unit at a time
