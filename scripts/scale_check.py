@@ -105,19 +105,34 @@ def job_file(path: Path, *, data: Path, out: Path, model: Path, unit_rows: int) 
     return path
 
 
-def cli_run(job: Path) -> float:
+class Launcher:
+    """Runs commands from a small process started before the corpus is built: Linux carries a process's peak
+    memory (ru_maxrss) across fork and exec, so a driver started from this big process would report ours."""
+
+    def __init__(self):
+        from concurrent.futures import ProcessPoolExecutor
+        from multiprocessing import get_context
+
+        self.pool = ProcessPoolExecutor(1, mp_context=get_context("forkserver"))
+        self.pool.submit(int).result()  # starts it now, while this process is small
+
+    def __call__(self, cmd: list[str]) -> subprocess.CompletedProcess:
+        return self.pool.submit(subprocess.run, cmd, capture_output=True, text=True).result()
+
+
+def cli_run(launch: Launcher, job: Path) -> float:
     started = time.perf_counter()
-    done = subprocess.run([str(Path(sys.executable).parent / "embedpipe"), "run", str(job), "--no-progress"],
-                          capture_output=True, text=True)
+    done = launch([str(Path(sys.executable).parent / "embedpipe"), "run", str(job), "--no-progress"])
     if done.returncode != 0:
         raise SystemExit(f"embedpipe run {job} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
-def phase(name: str, job: Path) -> dict:
+def phase(launch: Launcher, name: str, job: Path) -> dict:
     """Plan or preflight in a fresh process: seconds and that process's peak memory."""
-    done = subprocess.run([sys.executable, __file__, "--phase", name, "--job", str(job)], capture_output=True,
-                          text=True, check=True)
+    done = launch([sys.executable, __file__, "--phase", name, "--job", str(job)])
+    if done.returncode != 0:
+        raise SystemExit(f"{name} of {job} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -141,8 +156,8 @@ def report_of(root: Path) -> dict:
     return json.loads((root / "versions" / version / "report.json").read_text())
 
 
-def check_size(rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path, pool: np.ndarray,
-               churns: dict) -> dict:
+def check_size(launch: Launcher, rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
+               pool: np.ndarray, churns: dict) -> dict:
     rng = np.random.default_rng(rows)
     per_file = -(-rows // files)
     ids = make_ids(rows, kind=kind, rng=rng)
@@ -151,18 +166,18 @@ def check_size(rows: int, *, files: int, row_groups: int, kind: str, work: Path,
     data, out = work / f"corpus-{rows}-{kind}", work / f"out-{rows}-{kind}"
     write_corpus(data, ids, texts, file_of, files=files, row_groups=row_groups)
     job = job_file(work / f"job-{rows}-{kind}.yaml", data=data, out=out, model=model, unit_rows=per_file)
-    night1 = cli_run(job)
+    night1 = cli_run(launch, job)
     (ids, texts, file_of), counts = churn(ids, texts, file_of, files=files, kind=kind, pool=pool, rng=rng, **churns)
     write_corpus(data, ids, texts, file_of, files=files, row_groups=row_groups)
-    plan, pre = phase("plan", job), phase("preflight", job)
-    night2 = cli_run(job)
+    plan, pre = phase(launch, "plan", job), phase(launch, "preflight", job)
+    night2 = cli_run(launch, job)
     r2 = report_of(out)
     # resume with nothing to do: night 2's version reopened as unfinished, CURRENT back on night 1
     night2_id = (out / "CURRENT").read_text().strip()
     (out / "versions" / night2_id / "VALIDATED").unlink()
     night1_id = min(p.name for p in (out / "versions").iterdir())
     (out / "CURRENT").write_text(night1_id + "\n")
-    resume = cli_run(job)
+    resume = cli_run(launch, job)
     r3 = report_of(out)
     assert r3["units"]["skipped_as_done"] == r3["units"]["total"], r3["units"]
     diff = r2["incremental"]["diff"]
@@ -224,6 +239,7 @@ def main() -> None:
     if args.phase:
         run_phase(args.phase, args.job)
         return
+    launch = Launcher()
     churns = {"changed": args.changed, "deleted": args.deleted, "added": args.added, "moved": args.moved}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -235,8 +251,8 @@ def main() -> None:
         print(HEADER, flush=True)
         for rows in args.rows:
             files = args.files or max(10, rows // 3000)
-            r = check_size(rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work, model=model,
-                           pool=pool, churns=churns)
+            r = check_size(launch, rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
+                           model=model, pool=pool, churns=churns)
             if args.json:
                 with args.json.open("a") as f:
                     f.write(json.dumps(r) + "\n")

@@ -5,13 +5,11 @@ model fingerprint and the vector settings, prompt included: the ``salt``). It is
 the vectors (column ``content_hash``), and a row of the next run whose id and hash match the
 previous version takes that vector instead of being encoded again.
 
-Lookup cost in a run: ``lookup_unit`` with the night's diff (``embedpipe/io/diff.py``): the previous part of
-the same unit, read whole, and for rows that moved only the parts they came from: linear in the rows
-whatever the ids' order. ``lookup`` (no diff: any ids against the whole version): a scan of the previous version's ``id`` and ``content_hash`` columns where
-their Parquet statistics overlap the unit's id range (the filter says ``min <= id <= max`` as well as
-``id in ids``: pyarrow prunes row groups by the range, not by the set), then a read of only the part
-files that hold matches. Ids that come in order (auto-increment keys, sorted dumps) touch a few row
-groups per unit; ids in random order (UUIDs) still scan every part's ids once per unit.
+Lookup cost in a run: ``lookup_unit`` with the night's diff (``embedpipe/io/diff.py``): the previous
+part of the same unit, read whole, and for rows that moved only the parts they came from: linear in the
+rows whatever the ids' order. ``lookup`` (no diff: any ids against the whole version) scans the previous
+version's ``id`` and ``content_hash`` columns where their Parquet statistics overlap the ids' range, then
+reads the part files that hold matches: a few row groups for ids in order, every part for UUIDs.
 """
 
 from __future__ import annotations
