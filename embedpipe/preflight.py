@@ -22,9 +22,10 @@ skips their rows (``embedpipe/io/rows.py``).
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from embedpipe.models.st import STSpec  # imports torch: the model modules load only when a model is read
 
 MAX_LISTED = 5  # duplicate ids named in an error message
+READ_THREADS = 16  # units whose ids the duplicate check reads at once
+READ_AHEAD = 64  # units read ahead of the check (bounds the ids held at once)
 
 
 class ModelError(BadJob, ValueError):
@@ -313,8 +316,7 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
     ``on_bad_row: error``. Null ids are left out of the duplicate search."""
     keys, owners = [], []  # per unit: [n, 2] uint64 keys of its non-null ids; (unit index, local row) of each
     first: tuple[str, pa.DataType] | None = None  # the first unit's file and id type
-    for u, unit in enumerate(units):
-        ids = reader.columns(unit, [id_column]).column(0).combine_chunks()
+    for u, (unit, ids) in enumerate(zip(units, _read_ids(units, reader=reader, id_column=id_column))):
         first = first or (unit.file, ids.type)
         _check_id_type(first, unit.file, ids.type, id_column=id_column)
         valid = ~ids.is_null().to_numpy(zero_copy_only=False)
@@ -345,6 +347,17 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
         drops.setdefault(u, []).append(row)
     units = [replace(unit, drop_rows=tuple(sorted(drops[u]))) if u in drops else unit for u, unit in enumerate(units)]
     return units, len(dup_rows)
+
+
+def _read_ids(units: list[Unit], *, reader: UnitReader, id_column: str) -> Iterator[pa.Array]:
+    """Each unit's id column in unit order, read ``READ_THREADS`` at a time (one GET each on an object store),
+    at most ``READ_AHEAD`` units ahead of the caller."""
+    def read(unit: Unit) -> pa.Array:
+        return reader.columns(unit, [id_column]).column(0).combine_chunks()
+
+    with ThreadPoolExecutor(READ_THREADS) as pool:
+        for start in range(0, len(units), READ_AHEAD):
+            yield from pool.map(read, units[start:start + READ_AHEAD])
 
 
 def _check_id_type(first: tuple[str, pa.DataType], file: str, id_type: pa.DataType, *, id_column: str) -> None:

@@ -14,6 +14,7 @@ few enough that every worker gets about ``UNITS_PER_WORKER`` units, but never fe
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow.parquet as pq
@@ -75,24 +76,46 @@ def list_files(path: str, *, suffixes: tuple[str, ...] = (".parquet",), kind: st
     return files
 
 
-def plan_units(files: list[str], *, unit_rows: int, workers: int = 1) -> list[Unit]:
+FOOTER_THREADS = 32  # footers read at once: each is one or two small GETs on an object store, a local read here
+
+
+@dataclass(frozen=True)
+class Footer:
+    """What planning keeps of a Parquet file's footer: its schema and its row groups' row counts."""
+
+    schema: object  # pa.Schema
+    row_group_rows: tuple[int, ...]
+
+
+def plan_units(files: list[str], *, unit_rows: int, workers: int = 1, footers: list[Footer] | None = None) -> list[Unit]:
     """Cut each file into units of at most ``unit_size(...)`` rows: consecutive whole row groups, or row
-    ranges of a row group larger than that (split into equal pieces)."""
-    groups = [_row_groups(file) for file in files]  # per file: each row group's rows (the footers)
+    ranges of a row group larger than that (split into equal pieces). ``footers``: the files' footers when
+    the caller read them already."""
+    groups = [list(f.row_group_rows) for f in (footers if footers is not None else read_footers(files))]
     size = unit_size(sum(map(sum, groups)), unit_rows=unit_rows, workers=workers)
     return [unit for file_index, (file, rows) in enumerate(zip(files, groups))
             for unit in cut_row_groups(file, file_index, rows, size=size)]
 
 
-def _row_groups(file: str) -> list[int]:
+def read_footer(file: str) -> Footer:
     try:
         with pq.ParquetFile(fs.arrow_source(file)) as pf:
             meta = pf.metadata
+            return Footer(schema=pf.schema_arrow, row_group_rows=tuple(meta.row_group(rg).num_rows
+                                                                      for rg in range(meta.num_row_groups)))
     except StorageError:  # the store's own line already names the URL and the fix
         raise
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
-    return [meta.row_group(rg).num_rows for rg in range(meta.num_row_groups)]
+
+
+def read_footers(files: list[str], *, threads: int = FOOTER_THREADS) -> list[Footer]:
+    """Every file's footer, ``threads`` at a time; the driver keeps only the small ``Footer`` of each. A bad
+    file raises as a serial read would: the first one in listing order."""
+    if len(files) <= 1:
+        return [read_footer(f) for f in files]
+    with ThreadPoolExecutor(min(threads, len(files))) as pool:
+        return list(pool.map(read_footer, files))
 
 
 def cut_row_groups(file: str, file_index: int, group_rows: list[int], *, size: int) -> list[Unit]:

@@ -143,11 +143,25 @@ def _version_folders(root: str | Path) -> list[TreePath]:
 
 def previous_parts(root: str | Path) -> tuple[str, ...]:
     """The current version's parts its manifest records intact (size checked), for an incremental run."""
+    return previous_units(root)[0]
+
+
+def previous_units(root: str | Path) -> tuple[tuple[str, ...], dict[tuple[str, str], int]]:
+    """The current version's intact parts (sorted) and, for the night's diff, each one-part unit's key
+    (``embedpipe.io.diff.unit_key``: its input file and first row group or row) -> its part's index.
+    One listing of the manifest's records and one of vectors/."""
+    from embedpipe.io.diff import unit_key
+
     folder = current_path(root)
     if folder is None:
-        return ()
+        return (), {}
     manifest = Manifest(folder)
-    return tuple(sorted(str(p) for record in manifest.done().values() for p in manifest.part_paths(record)))
+    records = manifest.done()
+    parts = tuple(sorted(str(p) for record in records.values() for p in manifest.part_paths(record)))
+    index = {p: i for i, p in enumerate(parts)}
+    units = {unit_key(record.get("file", ""), unit_id): index[str(paths[0])] for unit_id, record in records.items()
+             if len(paths := manifest.part_paths(record)) == 1}
+    return parts, units
 
 
 def reencode_reason(root: str | Path, fingerprint: dict, *,

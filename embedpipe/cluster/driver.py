@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import pyarrow as pa
@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.connect import connect, expected_workers, plan_workers, submitted_job_address
+from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe.cluster.shards import shard_runner
@@ -147,9 +148,9 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
     version = versions.choose_version(root, fingerprint)
     incremental, reencode_reason = None, None
     if job.output.incremental:
-        parts = versions.previous_parts(root)  # the current version's intact parts, from its manifest
+        parts, units = versions.previous_units(root)  # the current version's intact parts, from its manifest
         incremental = Incremental(salt=vector_salt(fingerprint), previous=versions.previous_vectors(root, job)
-                                  if parts else None, previous_parts=parts)
+                                  if parts else None, previous_parts=parts, previous_units=units)
         reencode_reason = versions.reencode_reason(root, fingerprint, description=plan.describe(job))
         if reencode_reason:
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
@@ -190,6 +191,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     devices: dict[int, DeviceInfo] = {}  # slot -> the device its worker measured
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
     finished = done  # the units with a record once the scheduler is through (this run's added below)
+    diff = None  # the incremental diff's report section, when there was a previous version to look in
     if todo:
         started_ray = connect(job.cluster)
         try:
@@ -198,6 +200,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 log.warning("%d units were cut for %d worker(s), the cluster runs %d: set cluster.workers: %d so "
                             "each worker gets its share", len(plan.units), plan.workers, workers.workers,
                             workers.workers)
+            if incremental is not None and incremental.previous:  # before any worker takes a unit
+                incremental, diff = _diff_night(job, todo, incremental)
             model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
@@ -259,6 +263,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     if incremental is not None:
         report["incremental"] = {"reused": total.reused_rows, "encoded": total.rows - total.reused_rows,
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
+        if diff is not None:
+            report["incremental"]["diff"] = diff
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,
@@ -274,6 +280,14 @@ def _describe(job: JobSpec, plan: RunPlan, output: TreePath, calibration: Calibr
     description = plan.describe(job, calibration=calibration)
     write_description(output, description)
     return description
+
+
+def _diff_night(job: JobSpec, todo: list, incremental: Incremental) -> tuple[Incremental, dict]:
+    """The night's diff as Ray tasks (embedpipe/cluster/diff.py), handed to the workers with the Incremental."""
+    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units)
+    log.info("incremental diff: %s", night.stats.to_dict())
+    return replace(incremental, previous_units={}, same_part=night.same_part, moved=night.moved), \
+        night.stats.to_dict()
 
 
 def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:

@@ -24,6 +24,9 @@ class Incremental:
     salt: bytes  # fingerprint of the model and vector settings: part of every content hash
     previous: str | None  # the current version's vectors/ folder; None on the first run
     previous_parts: tuple[str, ...] = ()  # its parts that its manifest records intact (only these are read)
+    previous_units: dict = field(default_factory=dict)  # driver: unit key -> part index (io/diff.py unit_key)
+    same_part: dict = field(default_factory=dict)  # the night's diff: unit id -> its previous part's index
+    moved: dict = field(default_factory=dict)  # the night's diff: unit id -> (id, part) of rows found elsewhere
 
 
 @dataclass
@@ -89,7 +92,7 @@ class EmbedWorker:
         if self.incremental is None:
             vectors = self.encoder.embed(rows.texts, counters)
         else:
-            vectors, extra = self._embed_incremental(rows, counters)
+            vectors, extra = self._embed_incremental(unit.id, rows, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
             part = self.writer.write(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
@@ -102,7 +105,7 @@ class EmbedWorker:
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
                           started=started, finished=time.time(), device=self.device, node=self.node)
 
-    def _embed_incremental(self, rows, counters):
+    def _embed_incremental(self, unit_id: str, rows, counters):
         """Encode only rows whose content changed; take the others' vectors from the previous version."""
         import numpy as np
 
@@ -112,7 +115,9 @@ class EmbedWorker:
             hashes = content_hashes(rows.texts, salt=self.incremental.salt)
             reuse = np.zeros(len(rows.texts), dtype=bool)
             if self.previous is not None:
-                reuse, reused, counters.previous_ids = self.previous.lookup(rows.ids, hashes)
+                reuse, reused, counters.previous_ids = self.previous.lookup_unit(
+                    rows.ids, hashes, same_part=self.incremental.same_part.get(unit_id),
+                    moved=_table(self.incremental.moved.get(unit_id)))
         fresh = np.flatnonzero(~reuse)
         encoded = self.writer.store(self.encoder.embed([rows.texts[i] for i in fresh], counters))  # [F, W]
         vectors = np.empty((len(rows.texts), encoded.shape[1]), dtype=encoded.dtype)  # stored values, [N, W]
@@ -122,6 +127,13 @@ class EmbedWorker:
             counters.rows += int(reuse.sum())
             counters.reused_rows = int(reuse.sum())
         return vectors, {"content_hash": hashes}
+
+
+def _table(moved):
+    """A unit's moved rows: the table itself (in process) or a Ray reference to it (the run's driver put it)."""
+    import ray
+
+    return ray.get(moved) if isinstance(moved, ray.ObjectRef) else moved
 
 
 def node_name() -> str:

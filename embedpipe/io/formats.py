@@ -26,10 +26,10 @@ import pyarrow as pa
 from embedpipe.config import InputConfig
 from embedpipe.io import fs
 from embedpipe.io.hf import ArrowShardReader, dataset_files, is_saved_dataset, plan_arrow_units
-from embedpipe.io.reader import ParquetReader, check_columns
+from embedpipe.io.reader import ParquetReader, check_schema
 from embedpipe.io.rows import ScreenedRows, is_text_type
 from embedpipe.io.textfiles import TextFileReader, plan_text_units
-from embedpipe.units import InputError, Unit, list_files, plan_units
+from embedpipe.units import InputError, Unit, list_files, plan_units, read_footers
 
 Reader = Callable[[Unit], ScreenedRows]  # and .columns(unit, names) -> pa.Table, the raw rows
 
@@ -43,13 +43,14 @@ class InputFormat:
 
 
 def _plan_parquet(files: list[str], cfg: InputConfig, *, workers: int = 1) -> list[Unit]:
-    for file in files:  # a bad file fails here, before any model is loaded
-        with check_columns(file, text_column=cfg.text_column, id_column=cfg.id_column) as pf:
-            text_type = pf.schema_arrow.field(cfg.text_column).type
+    footers = read_footers(files)  # in parallel; a bad file fails here, before any model is loaded
+    for file, footer in zip(files, footers):
+        check_schema(file, footer.schema, text_column=cfg.text_column, id_column=cfg.id_column)
+        text_type = footer.schema.field(cfg.text_column).type
         if not is_text_type(text_type) and cfg.on_bad_row == "error":
             raise InputError(f"{file}: column {cfg.text_column!r} holds {text_type}, not text: set "
                              f"input.text_column to a text column (or input.on_bad_row to skip them)")
-    return plan_units(files, unit_rows=cfg.unit_rows, workers=workers)
+    return plan_units(files, unit_rows=cfg.unit_rows, workers=workers, footers=footers)
 
 
 def _plan_text(files: list[str], cfg: InputConfig, *, fmt: str, workers: int = 1) -> list[Unit]:

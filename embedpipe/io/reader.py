@@ -22,12 +22,17 @@ def check_columns(file: str, *, text_column: str, id_column: str) -> pq.ParquetF
         pf = pq.ParquetFile(fs.arrow_source(file))
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise InputError(f"cannot read Parquet file {file!r} ({exc}): replace or remove the file") from exc
-    names = pf.schema_arrow.names
+    check_schema(file, pf.schema_arrow, text_column=text_column, id_column=id_column)
+    return pf
+
+
+def check_schema(file: str, schema: pa.Schema, *, text_column: str, id_column: str) -> None:
+    """``file``'s schema has both columns; the error names the file and the field to fix."""
+    names = schema.names
     for column, field in ((text_column, "input.text_column"), (id_column, "input.id_column")):
         if column not in names:
             raise InputError(f"{file}: no column {column!r} (columns: {', '.join(names)}): "
                              f"set {field} to the right column")
-    return pf
 
 
 class ScreeningReader:

@@ -5,11 +5,11 @@ model fingerprint and the vector settings, prompt included: the ``salt``). It is
 the vectors (column ``content_hash``), and a row of the next run whose id and hash match the
 previous version takes that vector instead of being encoded again.
 
-Lookup cost: per unit, a scan of the previous version's ``id`` and ``content_hash`` columns where
-their Parquet statistics overlap the unit's id range (the filter says ``min <= id <= max`` as well as
-``id in ids``: pyarrow prunes row groups by the range, not by the set), then a read of only the part
-files that hold matches. Ids that come in order (auto-increment keys, sorted dumps) touch a few row
-groups per unit; ids in random order (UUIDs) still scan every part's ids once per unit.
+Lookup cost in a run: ``lookup_unit`` with the night's diff (``embedpipe/io/diff.py``): the previous
+part of the same unit, read whole, and for rows that moved only the parts they came from: linear in the
+rows whatever the ids' order. ``lookup`` (no diff: any ids against the whole version) scans the previous
+version's ``id`` and ``content_hash`` columns where their Parquet statistics overlap the ids' range, then
+reads the part files that hold matches: a few row groups for ids in order, every part for UUIDs.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class PreviousVectors:
         """``parts``: the part files the previous version's manifest records intact; an orphan or a torn part
         in the folder is never read (an empty list: the folder's parts, for a folder without a manifest)."""
         self.filesystem, files = arrow_filesystem(list(parts) if parts else [str(vectors_dir)])  # None: local
+        self.files = files if parts else []  # parts[i] within self.filesystem (the diff's part indexes)
         self.dataset = ds.dataset(files if parts else files[0], format="parquet", filesystem=self.filesystem)
         if "content_hash" not in self.dataset.schema.names:
             raise ValueError(f"{vectors_dir} has no content_hash column: it was not written by an incremental "
@@ -67,6 +68,43 @@ class PreviousVectors:
             rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
             by_id.update(zip(part["id"].to_pylist(), rows))
         return reuse, np.stack([by_id[i] for i in reused_ids]), len(previous)
+
+
+    def lookup_unit(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,
+                    moved: pa.Table | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """``lookup``'s answer for one unit from the night's diff: ``same_part`` (the index of the previous part
+        of the same unit, read whole) and ``moved`` (id, part index: rows found in other parts, read there
+        by id). No other part is opened."""
+        found = []
+        if same_part is not None:
+            found.append(pq.read_table(self.files[same_part], columns=["id", "content_hash", "embedding"],
+                                       filesystem=self.filesystem))
+        if moved is not None and moved.num_rows:
+            for part in np.unique(moved["part"].to_numpy()):
+                wanted = pc.filter(moved["id"], pc.equal(moved["part"], int(part)))
+                found.append(pq.read_table(self.files[int(part)], columns=["id", "content_hash", "embedding"],
+                                           filters=pc.field("id").isin(wanted), filesystem=self.filesystem))
+        return _match(ids, hashes, found)
+
+
+def _match(ids: pa.Array, hashes: pa.Array, found: list[pa.Table]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(reuse mask [N], the reused rows' stored vectors [R, W], ids present) of ``ids`` among ``found``'s rows."""
+    found = [t for t in found if t.num_rows]
+    if not found:
+        return np.zeros(len(ids), dtype=bool), np.zeros((0, 0), np.float32), 0
+    table = pa.concat_tables(found)
+    at = pc.index_in(ids, value_set=table["id"])  # [N] row of each id in table, null where absent
+    present = at.is_valid().to_numpy(zero_copy_only=False)
+    reuse = np.zeros(len(ids), dtype=bool)
+    rows = pc.drop_null(at)
+    same = pc.equal(table["content_hash"].take(rows), pc.filter(hashes, at.is_valid()))
+    reuse[np.flatnonzero(present)] = same.to_numpy(zero_copy_only=False)
+    if not reuse.any():
+        return reuse, np.zeros((0, 0), np.float32), int(present.sum())
+    picked = table["embedding"].take(pc.filter(at, pa.array(reuse))).combine_chunks()  # [R] fixed-size lists
+    width = picked.type.list_size
+    vectors = np.asarray(picked.flatten().to_numpy(zero_copy_only=False)).reshape(len(picked), width)
+    return reuse, vectors, int(present.sum())
 
 
 def _id_filter(ids: pa.Array) -> pc.Expression:

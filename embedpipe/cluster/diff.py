@@ -1,0 +1,58 @@
+"""The night's incremental diff as Ray tasks (the tasks themselves: ``embedpipe/io/diff.py``).
+
+Map tasks (``MAP_UNITS`` units, or unclaimed previous parts, each) return their stats and one piece per
+bucket as separate objects (``num_returns``); join task ``b`` takes piece ``b`` of every map task. The
+driver then holds the stats and the matches only: O(units) small records plus about 50 bytes per row
+that moved between units (none on a night whose files kept their rows), never the ids themselves.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from embedpipe.config import JobSpec
+from embedpipe.io.diff import (MAP_UNITS, NightDiff, bucket_count, join_bucket, map_parts, map_units, night_diff,
+                               unclaimed_parts, unit_tasks)
+from embedpipe.units import Unit
+
+
+def diff_on_ray(job: JobSpec, units: list[Unit], *, parts: tuple[str, ...],
+                previous: dict[tuple[str, str], int]) -> NightDiff:
+    """Where each of ``units``' ids was in the previous version (its ``parts``; ``previous``: unit key -> part)."""
+    started = time.perf_counter()
+    tasks = unit_tasks(units, previous)
+    buckets = bucket_count(sum(u.num_rows for u in units))
+    map_u = ray.remote(_map_units).options(num_returns=buckets + 1, num_cpus=1)
+    map_p = ray.remote(_map_parts).options(num_returns=buckets + 1, num_cpus=1)
+    maps = [map_u.remote(job, tasks[i:i + MAP_UNITS], parts=parts, buckets=buckets)
+            for i in range(0, len(tasks), MAP_UNITS)]
+    rest = unclaimed_parts(tasks, parts)
+    maps += [map_p.remote(job, rest[i:i + MAP_UNITS], parts=parts, buckets=buckets)
+             for i in range(0, len(rest), MAP_UNITS)]
+    join = ray.remote(join_bucket).options(num_cpus=1)
+    joins = [join.remote(*(m[b + 1] for m in maps)) for b in range(buckets)]
+    stats, matches = ray.get([m[0] for m in maps]), ray.get(joins)
+    diff = night_diff(units, tasks, parts=parts, stats=stats, matches=matches, buckets=buckets)
+    diff.moved = {unit_id: ray.put(table) for unit_id, table in diff.moved.items()}  # each worker gets its own
+    diff.stats.seconds = time.perf_counter() - started
+    return diff
+
+
+def _map_units(job: JobSpec, tasks, *, parts, buckets):
+    from embedpipe.io.formats import UnitReader
+    from embedpipe.io.fs import use_job_storage
+
+    use_job_storage(job)
+    reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
+    stats, pieces = map_units(tasks, parts=parts, id_column=job.input.id_column, reader=reader, buckets=buckets)
+    return (stats, *pieces)
+
+
+def _map_parts(job: JobSpec, indexes, *, parts, buckets):
+    from embedpipe.io.fs import use_job_storage
+
+    use_job_storage(job)
+    stats, pieces = map_parts(indexes, parts=parts, buckets=buckets)
+    return (stats, *pieces)
