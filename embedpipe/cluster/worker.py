@@ -66,7 +66,7 @@ class EmbedWorker:
         from embedpipe.runtime import Encoder
 
         self.index, self.threads = index, threads
-        self._turns = _Turns()
+        self._turns = Turns()
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder.from_job(job, threads=threads)
@@ -176,7 +176,7 @@ class _Ahead:
     reuse: tuple | None = None  # incremental: (reuse mask [N], their previous stored vectors, content hashes)
 
 
-class _Turns:
+class Turns:
     """Calls take their turn in submission order: ``seq`` 0, 1, 2, ... per actor, one at a time."""
 
     def __init__(self) -> None:
