@@ -56,3 +56,20 @@ def test_onednn_rows_are_padded_to_few_shapes():
     assert all(padded_rows(n) >= n for n in range(1, 8193))
     assert max((padded_rows(n) - n) / n for n in range(2049, 8193)) < 0.125  # full batches: little waste
     assert padded_rows(1) == 16 and padded_rows(300) == 320 and padded_rows(4000) == 4096
+
+
+def test_the_gemm_library_is_chosen_by_measurement(minilm_dir, caplog):
+    """MiniLM's linears go to whichever library the start-up probe timed faster, and the log says both timings."""
+    import logging
+
+    from embedpipe.runtime.cpu import choose_linears, linear_timings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
+    with caplog.at_level(logging.INFO, logger="embedpipe.runtime.cpu"):
+        choice = choose_linears(model)
+    timings = linear_timings(((384, 1536), (1536, 384)), dtype=torch.float32, threads=torch.get_num_threads())
+    assert set(timings) == {"onednn", "torch"} and timings["torch"] > 0
+    assert choice == ("onednn" if timings["onednn"] < timings["torch"] else "torch")
+    assert (type(model[0]) is OneDNNLinear) == (choice == "onednn")
+    assert "measured ms per probe" in caplog.text

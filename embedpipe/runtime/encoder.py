@@ -15,7 +15,7 @@ from embedpipe.models import load_model
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
-from embedpipe.runtime.cpu import keep_freed_memory, use_onednn_linears
+from embedpipe.runtime.cpu import choose_linears, keep_freed_memory
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
 from embedpipe.runtime.warmup import warmup_guard
@@ -56,7 +56,7 @@ class Encoder:
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         if self.device == "cpu":
-            use_onednn_linears(self.loaded.model)  # AVX-512 float32 GEMMs where MKL runs AVX2 (see runtime/cpu.py)
+            choose_linears(self.loaded.model)  # oneDNN or torch's GEMMs, whichever measures faster here (runtime/cpu.py)
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
         self.max_seq_len = model.max_seq_len or spec.max_seq_len or min(self.loaded.max_positions, 8192)
