@@ -20,6 +20,7 @@ import ctypes.util
 import functools
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -114,20 +115,54 @@ def use_onednn_linears(model: nn.Module) -> int:
 
 def choose_linears(model: nn.Module) -> str:
     """Put ``model``'s CPU linears on the faster GEMM library here, measured (not assumed by CPU vendor): "onednn"
-    (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL / its BLAS). Logged with the timings."""
+    (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL or its BLAS). oneDNN stays unless torch
+    measures faster by TORCH_MARGIN, and the answer is cached per machine (``cpu_linears.json`` in the
+    embedpipe cache), so every worker of a machine makes the same choice and computes the same bits."""
     shapes = sorted({(m.in_features, m.out_features, m.weight.dtype) for m in model.modules()
                      if type(m) is nn.Linear and m.weight.device.type == "cpu"}, key=lambda s: (s[:2], str(s[2])))
     if not shapes:
         return "torch"
-    dtype = shapes[0][2]
-    timings = linear_timings(tuple((i, o) for i, o, d in shapes if d == dtype), dtype=dtype,
-                             threads=torch.get_num_threads())
-    choice = "onednn" if timings["onednn"] < timings["torch"] else "torch"
+    dtype, threads = shapes[0][2], torch.get_num_threads()
+    dims = tuple((i, o) for i, o, d in shapes if d == dtype)
+    key = f"{socket.gethostname()}|{dtype}|threads={threads}|{dims}|torch={torch.__version__}"
+    choice = _cached_choice(key, lambda: _faster(linear_timings(dims, dtype=dtype, threads=threads)))
     if choice == "onednn":
         use_onednn_linears(model)
-    log.info("CPU linears (%s, %d threads): %s; measured ms per probe: oneDNN %.1f, torch %.1f", dtype,
-             torch.get_num_threads(), choice, timings["onednn"] * 1e3, timings["torch"] * 1e3)
+    log.info("CPU linears (%s, %d threads): %s", dtype, threads, choice)
     return choice
+
+
+TORCH_MARGIN = 1.25  # torch's GEMMs replace oneDNN's only when oneDNN takes 25% longer: noise never flips it
+
+
+def _faster(timings: dict[str, float]) -> str:
+    choice = "torch" if timings["onednn"] > TORCH_MARGIN * timings["torch"] else "onednn"
+    log.info("CPU linears measured, ms per probe: oneDNN %.1f, torch %.1f -> %s", timings["onednn"] * 1e3,
+             timings["torch"] * 1e3, choice)
+    return choice
+
+
+def _cached_choice(key: str, measure) -> str:
+    """The machine's answer for ``key`` from the cache file, measured under its lock when missing."""
+    import fcntl
+    import json
+
+    from embedpipe.io.cache import cache_dir
+
+    path = cache_dir() / "cpu_linears.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one measurement per machine at a time; the others read it
+        try:
+            table = dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            table = {}
+        if key not in table:
+            table[key] = measure()
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+    return table[key]
 
 
 @functools.cache
