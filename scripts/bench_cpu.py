@@ -12,6 +12,12 @@ time. The ratio therefore compares best case with best case, measured over the s
 
     .venv/bin/python scripts/bench_cpu.py                   # ~2-3 minutes on 2 quiet cores
     .venv/bin/python scripts/bench_cpu.py --rows 500 --repeats 2 --batch-sizes 32   # a quick look
+    .venv/bin/pip install -e '.[bench]' && .venv/bin/python scripts/bench_cpu.py --peers --cli   # every row
+
+``--peers`` adds ONNX Runtime and OpenVINO (fp32, and bf16 where the CPU has it) on the packaged model exported
+offline in this run (scripts/bench_peers.py says why not through sentence-transformers' own backends);
+``--cli`` adds the product end to end: `embedpipe run` on a local Ray, 1 worker x --threads, the same rows,
+start-up subtracted (scripts/bench_pipeline.py).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="our batching.max_tokens (default: the job default)")
     p.add_argument("--ablations", action="store_true",
                    help="also time our fp32 engine with torch's own (MKL) linears and with the sdpa attention backend")
+    p.add_argument("--peers", action="store_true", help="also time ONNX Runtime and OpenVINO (the bench extra)")
+    p.add_argument("--cli", action="store_true", help="also time `embedpipe run` end to end (1 worker x --threads)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--memory-of", choices=list(MEMORY_RUNS), default=None,
                    help="(internal) measure one contender's peak memory in this process and print it")
@@ -111,6 +119,32 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- main
 
 MEMORY_RUNS = ("st", "float32", "bfloat16")
+PEERS = {"ONNX Runtime fp32 (exported, ORT_ENABLE_ALL)": "onnx", "OpenVINO fp32": "openvino-f32",
+         "OpenVINO bf16": "openvino-bf16"}
+
+
+def matmul_dtype(kind: str) -> str:
+    """The dtype whose matmul rate a contender's MFU is against."""
+    if kind in ("st", "onnx", "openvino-f32", "cli"):
+        return "float32"
+    return "bfloat16" if kind == "openvino-bf16" else kind.partition("-")[0]
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its matmul-relevant flags (/proc/cpuinfo, Linux)."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    have = [f for f in wanted if f in flags]
+    return f"{model}, {os.cpu_count()} logical CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
 
 
 def load_texts(args: argparse.Namespace) -> list[str]:
@@ -132,6 +166,16 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
 
         st = SentenceTransformer(model_dir, device="cpu")
         return lambda texts: st.encode(texts, batch_size=st_batch_size)
+    if kind in PEERS.values():
+        import bench_peers
+
+        onnx_path = args.work / "model.onnx"
+        if not onnx_path.exists():
+            print(f"ONNX export: {bench_peers.export_onnx(model_dir, onnx_path):.1f} s", file=sys.stderr)
+        if kind == "onnx":
+            return bench_peers.onnxruntime_runner(model_dir, onnx_path, threads=args.threads, batch_size=st_batch_size)
+        return bench_peers.openvino_runner(model_dir, onnx_path, threads=args.threads, batch_size=st_batch_size,
+                                           precision=kind.partition("-")[2])
     from unittest import mock
 
     from embedpipe.runtime import Encoder, cpu
@@ -189,6 +233,11 @@ def main() -> int:
     from embedpipe.text.tokenizer import TextTokenizer
 
     torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_description()}; load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    import tempfile
+
+    args.work = Path(tempfile.mkdtemp(prefix="bench_cpu_"))
+    sys.path.insert(0, str(Path(__file__).parent))  # bench_peers, bench_pipeline
     texts = load_texts(args)
     chunks = [texts[i::args.chunks] for i in range(args.chunks)]  # every chunk spans the whole length range
     model_dir = resolve_model_path(MODEL)
@@ -211,6 +260,14 @@ def main() -> int:
         kinds |= {"embedpipe fp32, torch (MKL) linears": "float32-mkl", "embedpipe fp32, sdpa attention": "float32-sdpa"}
     contenders = [Contender(f"sentence-transformers fp32 (batch {best_bs})", trial[sizes.index(best_bs)].run)]
     contenders += [Contender(name, build(kind, args)) for name, kind in kinds.items()]
+    if args.peers:
+        for name, kind in PEERS.items():
+            run = build(kind, args, st_batch_size=best_bs)
+            if run is None:
+                print(f"{name}: not measured here (the CPU has no bf16 matmul OpenVINO uses)", file=sys.stderr)
+                continue
+            contenders.append(Contender(f"{name} (batch {best_bs})", run))
+            kinds[contenders[-1].name] = kind
     del trial
     for c in contenders:  # warm up, and the vectors for the cosine
         c.vectors = np.concatenate([c.run(chunk) for chunk in chunks])
@@ -225,15 +282,18 @@ def main() -> int:
 
     base = sum(contenders[0].best.values())
     results = []
+    if args.cli:
+        contenders.append(cli_contender(texts, args))
+        kinds[contenders[-1].name] = "cli"
     for c, kind in zip(contenders, ["st", *kinds.values()]):
-        dt = "float32" if kind == "st" else kind.partition("-")[0]
+        dt = matmul_dtype(kind)
         peak = peaks.get(kind)
         seconds = sum(c.best.values())
         tps = real_tokens / seconds
         cos = cosine(c.vectors, contenders[0].vectors)
         results.append({
             "contender": c.name, "seconds": round(seconds, 3), "tokens_per_s": round(tps, 1),
-            "tokens_per_cpu_s": round(real_tokens / sum(c.cpu.values()), 1), "ratio": round(base / seconds, 3),
+            "tokens_per_cpu_s": round(real_tokens / sum(c.cpu.values()), 1) if c.cpu else None, "ratio": round(base / seconds, 3),
             "peak_mib": None if peak is None else round(peak / 2**20, 1), "cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
             "mfu": round(tps * flops / rates[dt], 4), "matmul_dtype": dt,
         })
@@ -244,6 +304,32 @@ def main() -> int:
                                          "flops_per_token": flops, "matmul_flops": rates,
                                          "st_batch_size": best_bs}, indent=2))
     return 0
+
+
+def cli_contender(texts: list[str], args: argparse.Namespace) -> Contender:
+    """`embedpipe run` on these rows (1 worker x --threads, float32, 500-row units), best of --repeats by encoding
+    time (the first unit's start to the last one's end: start-up subtracted, stated on stderr)."""
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    import bench_pipeline
+
+    data = args.work / "cli.parquet"
+    pq.write_table(pa.table({"id": [f"r{i:06d}" for i in range(len(texts))], "text": texts}), data, row_group_size=250)
+    job = bench_pipeline.write_job(args.work, "cli", data=data, unit_rows=500, workers=1, cpus=args.threads)
+    best = None
+    for rep in range(args.repeats):
+        r = bench_pipeline.cli_run(job, tree=ROOT, output=args.work / "out_cli")
+        print(f"  cli pass {rep + 1}/{args.repeats}: {r}", file=sys.stderr, flush=True)
+        if best is None or r["encoding_s"] < best["encoding_s"]:
+            best = r
+    table = ds.dataset(args.work / "out_cli" / "vectors", format="parquet").to_table().sort_by("id")
+    c = Contender(f"embedpipe fp32 through `embedpipe run`, 1 worker × {args.threads} (start-up {best['startup_s']:.1f} s "
+                  f"subtracted; wall {best['wall_s']:.1f} s)", run=lambda texts: None)
+    c.best = {0: best["encoding_s"]}  # its CPU time is the workers': not measured here
+    c.vectors = np.asarray(table["embedding"].to_pylist(), dtype=np.float32)
+    return c
 
 
 def _st_batches(texts: list[str], bs: int) -> list[np.ndarray]:
@@ -262,7 +348,8 @@ def print_table(results: list[dict], *, flops: float, rates: dict, padded_fracti
     print("| contender | real tokens/s | × sentence-transformers | tokens per CPU-second | peak memory | cos vs ST (min / mean) | MFU (vs matmul rate) |")
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
     for r in results:
-        print(f"| {r['contender']} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}× | {r['tokens_per_cpu_s']:,.0f} | "
+        print(f"| {r['contender']} | {r['tokens_per_s']:,.0f} | {r['ratio']:.2f}× | "
+              f"{'—' if r['tokens_per_cpu_s'] is None else format(r['tokens_per_cpu_s'], ',.0f')} | "
               f"{'—' if r['peak_mib'] is None else format(r['peak_mib'], ',.0f') + ' MiB'} | {r['cos_min']:.7f} / {r['cos_mean']:.7f} | "
               f"{r['mfu']:.0%} of {r['matmul_dtype']} |")
 

@@ -56,3 +56,25 @@ def test_onednn_rows_are_padded_to_few_shapes():
     assert all(padded_rows(n) >= n for n in range(1, 8193))
     assert max((padded_rows(n) - n) / n for n in range(2049, 8193)) < 0.125  # full batches: little waste
     assert padded_rows(1) == 16 and padded_rows(300) == 320 and padded_rows(4000) == 4096
+
+
+def test_the_gemm_library_is_chosen_by_measurement_once_per_machine(tmp_path, monkeypatch, caplog):
+    """MiniLM's linear shapes go to the library the start-up probe timed faster (oneDNN unless torch wins by the
+    margin); the answer is cached, so a second model on this machine gets it without measuring."""
+    import logging
+
+    from embedpipe.runtime import cpu
+
+    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
+    with caplog.at_level(logging.INFO, logger="embedpipe.runtime.cpu"):
+        choice = cpu.choose_linears(model)
+    timings = cpu.linear_timings(((384, 1536), (1536, 384)), dtype=torch.float32, threads=torch.get_num_threads())
+    assert set(timings) == {"onednn", "torch"} and timings["torch"] > 0
+    want = "torch" if timings["onednn"] > cpu.TORCH_MARGIN * timings["torch"] else "onednn"
+    assert choice == want and (type(model[0]) is cpu.OneDNNLinear) == (choice == "onednn")
+    assert "ms per probe" in caplog.text and (tmp_path / "cpu_linears.json").is_file()
+    monkeypatch.setattr(cpu, "_faster", lambda timings: pytest.fail("measured again"))
+    again = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
+    assert cpu.choose_linears(again) == choice

@@ -1,15 +1,18 @@
 """First-come first-served units over a pool of worker actors, surviving worker deaths and stalls.
 
-A free worker takes the next unit, so a slow worker never holds the rest back. When a worker
+A free worker takes the next unit, so a slow worker never holds the rest back. With ``depth`` 2 (the
+embedding workers) each worker also holds the unit after it, queued: the worker reads and tokenizes
+it while it encodes the first, and no driver round trip idles it between units. When a worker
 dies (killed, out of memory, its node lost) its unit goes back to the queue and a new actor
-takes its slot; a unit that has killed ``max_attempts`` workers fails the run, or is set aside
+takes its slot (a unit queued behind it had not begun encoding: it goes back to the front of the queue
+without losing an attempt); a unit that has killed ``max_attempts`` workers fails the run, or is set aside
 when ``on_error`` is ``skip_unit``. Bad input (``InputError``) is never retried: it would fail
 the same way again, and neither is a full or read-only disk (every unit would hit it).
 
 Liveness (``Liveness``): the driver never waits on a worker without a bound.
 
-- A unit past its deadline (``unit_deadline``; its clock starts when its worker is ready, so
-  model load never counts) is a stalled worker: it is killed and replaced, the unit requeued
+- A unit past its deadline (``unit_deadline``; its clock starts when its worker is ready and the
+  unit before it on that worker is done, so model load and queueing never count) is a stalled worker: it is killed and replaced, the unit requeued
   (an attempt, as a death).
 - A placed worker whose start (``__init__``: model load, warmup) takes longer than
   ``startup_timeout_s`` is replaced the same way.
@@ -114,8 +117,17 @@ class UnitRetry:
 
 
 @dataclass
+class _Call:
+    """One unit handed to a worker: its pending process() call."""
+
+    unit: Any
+    ref: Any
+    taken: float  # when the unit's clock started: max(submitted, worker ready, the call before it done)
+
+
+@dataclass
 class _Slot:
-    """One worker slot: its actor, how far its start got, and the unit it holds."""
+    """One worker slot: its actor, how far its start got, and the units it holds."""
 
     index: int
     actor: Any  # None once given up
@@ -123,9 +135,18 @@ class _Slot:
     ready_ref: Any  # the pending __ray_ready__ call; None once answered
     placed: float | None = None  # when Ray gave it a worker process
     ready: float | None = None  # when its __init__ finished
-    unit: Any = None
-    ref: Any = None  # the pending process(unit) call
-    taken: float = 0.0  # when the unit's clock started: max(submitted, ready)
+    calls: list[_Call] = field(default_factory=list)  # in submission order: calls[0] encodes, the rest wait
+    submitted: int = 0  # process() calls made on this actor: the next one's seq
+
+    @property
+    def unit(self):
+        """The unit this worker is encoding (its first call's); None when idle."""
+        return self.calls[0].unit if self.calls else None
+
+    @property
+    def ref(self):
+        """The newest pending process() call; None when idle."""
+        return self.calls[-1].ref if self.calls else None
 
 
 @dataclass
@@ -141,6 +162,7 @@ class Scheduler:
     failed: list[UnitFailure] = field(default_factory=list)
     replaced: int = 0  # actors started to replace dead or stalled ones
     given_up: int = 0  # slots left empty: their actor could not be placed
+    depth: int = 1  # units in flight per worker; above 1 the actor takes process(unit, seq) and orders them itself
 
     def run(self, units: list) -> Iterator:
         """Yield each unit's result as it finishes (completion order)."""
@@ -149,7 +171,7 @@ class Scheduler:
         self._slots = [self._start(i) for i in range(self.workers)]
         try:
             self._fill()
-            while self._queue or any(s.ref is not None for s in self._slots):
+            while self._queue or any(s.calls for s in self._slots):
                 result = self._step()
                 if result is not None:
                     yield result
@@ -164,7 +186,8 @@ class Scheduler:
         if not live:
             raise NoWorkerPlaced(self._no_worker_message())
         pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
-        pending |= {s.ref: s for s in live if s.ref is not None}
+        # a worker answers its calls in order (a death fails them all): only the first is waited on
+        pending |= {s.calls[0].ref: s for s in live if s.calls}
         done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
         result = None
         if done:
@@ -185,13 +208,16 @@ class Scheduler:
             return
         now = time.monotonic()
         slot.placed, slot.ready = slot.placed or now, now
-        slot.taken = max(slot.taken, now)
+        if slot.calls:
+            slot.calls[0].taken = max(slot.calls[0].taken, now)
 
     def _finished(self, slot: _Slot):
-        ref, unit, started = slot.ref, slot.unit, slot.taken if slot.ready is not None else None
-        slot.ref = slot.unit = None
+        call = slot.calls.pop(0)
+        unit, started = call.unit, call.taken if slot.ready is not None else None
+        if slot.calls:  # the queued unit's turn: its clock starts now
+            slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
-            result = ray.get(ref)
+            result = ray.get(call.ref)
         except InputError as exc:  # RayTaskError subclasses the worker's exception type
             raise InputError(_first_line(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
@@ -220,7 +246,7 @@ class Scheduler:
                 self._give_up(slot)
             elif slot.ready is None and slot.placed is not None and now - slot.placed > lv.startup_timeout_s:
                 self._stalled(slot, f"its worker did not start within {lv.startup_timeout_s:g} s")
-            elif slot.ready is not None and slot.unit is not None and now - slot.taken > self._deadline(slot.unit):
+            elif slot.ready is not None and slot.calls and now - slot.calls[0].taken > self._deadline(slot.unit):
                 self._stalled(slot, f"its worker did not finish it within {self._deadline(slot.unit):.0f} s")
 
     def _deadline(self, unit) -> float:
@@ -230,26 +256,24 @@ class Scheduler:
         """Until the nearest bound, at most POLL_S (placement is polled)."""
         lv, now, bounds = self.liveness, time.monotonic(), [POLL_S]
         for s in live:
-            if s.ready is not None and s.unit is not None:
-                bounds.append(s.taken + self._deadline(s.unit) - now)
+            if s.ready is not None and s.calls:
+                bounds.append(s.calls[0].taken + self._deadline(s.unit) - now)
             elif s.placed is not None and s.ready is None:
                 bounds.append(s.placed + lv.startup_timeout_s - now)
         return max(min(bounds), 0.01)
 
     def _stalled(self, slot: _Slot, why: str) -> None:
-        if slot.unit is None:  # a start that hung with no unit yet: a fresh actor, no attempt lost
+        if not slot.calls:  # a start that hung with no unit yet: a fresh actor, no attempt lost
             log.warning("worker %d: %s; replacing it", slot.index, why)
             self._replace(slot)
             return
-        unit, slot.ref, slot.unit = slot.unit, None, None
+        unit = slot.calls.pop(0).unit
         self._lost(slot, unit, cause="timeout", error=why, replace=True)
 
     def _give_up(self, slot: _Slot) -> None:
         _kill(slot.actor)
         slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
-        if slot.unit is not None:  # it never ran there: back to the front, no attempt lost
-            self._queue.appendleft(slot.unit)
-            slot.ref = slot.unit = None
+        self._requeue(slot)  # they never ran there
         left = sum(s.actor is not None for s in self._slots)
         log.warning("worker %d given up: Ray could not place it within %g s (%s); %d worker(s) left",
                     slot.index, self.liveness.placement_timeout_s, self._free_text(), left)
@@ -274,15 +298,29 @@ class Scheduler:
 
     def _replace(self, slot: _Slot) -> None:
         _kill(slot.actor)
+        self._requeue(slot)
         self.replaced += 1
         self._slots[slot.index] = self._start(slot.index)
 
+    def _requeue(self, slot: _Slot) -> None:
+        """The units still on ``slot`` go back to the front of the queue, in order, no attempt lost: none of them
+        began encoding (the one that had was taken off by the caller, with its attempt)."""
+        self._queue.extendleft(reversed([call.unit for call in slot.calls]))
+        slot.calls = []
+
     def _fill(self) -> None:
-        """Every live idle worker takes the next unit (a starting one too: its clock starts when it is ready)."""
-        for slot in self._slots:
-            if self._queue and slot.actor is not None and slot.unit is None:
-                slot.unit = self._queue.popleft()
-                slot.ref, slot.taken = slot.actor.process.remote(slot.unit), time.monotonic()
+        """Every live worker takes the next unit (a starting one too: its clock starts when it is ready); idle
+        workers first, then each up to ``depth`` units, so few units still spread over every worker."""
+        for held in range(self.depth):
+            for slot in self._slots:
+                if self._queue and slot.actor is not None and len(slot.calls) == held:
+                    self._submit(slot, self._queue.popleft())
+
+    def _submit(self, slot: _Slot, unit) -> None:
+        ref = (slot.actor.process.remote(unit) if self.depth == 1
+               else slot.actor.process.remote(unit, seq=slot.submitted))
+        slot.calls.append(_Call(unit, ref, taken=time.monotonic()))
+        slot.submitted += 1
 
     def _lost(self, slot: _Slot, unit, *, cause: Cause, error: str, replace: bool) -> None:
         """A failed attempt: requeue the unit, set it aside, or fail the run."""

@@ -1,4 +1,4 @@
-"""The worker actor: builds its pipeline once, then processes work units one at a time.
+"""The worker actor: builds its pipeline once, then encodes work units one at a time, reading the next ahead.
 
 model: the driver's shipped copy, materialized in this node's cache (embedpipe/cluster/modelship.py) ->
 read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> encode -> pool -> write (Parquet part)
@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import JobSpec
+from embedpipe.report.counters import Counters
 from embedpipe.units import Unit
+
+READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one: the driver's queue per worker
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class UnitResult:
 
 
 class EmbedWorker:
-    """Plain class; the driver wraps it with ``ray.remote`` and its resources."""
+    """Plain class; the driver wraps it with ``ray.remote``, its resources and ``max_concurrency=READ_AHEAD + 1``
+    (a unit encoding, the next one reading)."""
 
     def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
                  incremental: Incremental | None = None, calibration=None, description=None):
@@ -62,7 +69,8 @@ class EmbedWorker:
         from embedpipe.io.writer import ParquetPartWriter
         from embedpipe.runtime import Encoder
 
-        self.index = index
+        self.index, self.threads = index, threads
+        self._turns = Turns()
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder.from_job(job, threads=threads)
@@ -80,19 +88,47 @@ class EmbedWorker:
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
         self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,)).to_dict()
 
-    def process(self, unit: Unit) -> UnitResult:
-        from embedpipe.io.layout import atomic_write_table
-        from embedpipe.report.counters import Counters
-
-        started = time.time()
+    def process(self, unit: Unit, seq: int = 0) -> UnitResult:
+        """Read, screen and tokenize ``unit`` (beside the previous call's encode: the read-ahead), then encode
+        and write it once this actor's earlier calls are through. ``seq``: this call's place in the driver's
+        submission order to this actor (0, 1, 2, ...); the driver keeps at most ``READ_AHEAD + 1`` calls in
+        flight, so at most one unit waits here tokenized while another encodes (memory: two units)."""
         counters = Counters()
+        try:
+            ahead, failed = self._prepare(unit, counters), None
+        except Exception as exc:  # noqa: BLE001 - raised in its turn: results come back in submission order
+            ahead, failed = None, exc
+        with self._turns.turn(seq):
+            if failed is not None:
+                raise failed
+            return self._encode_and_write(unit, ahead, counters)
+
+    def _prepare(self, unit: Unit, counters: Counters) -> "_Ahead":
+        """The read side of a unit: its rows, the texts to encode (incremental: the changed ones), tokenized."""
         with counters.time("read"):
             rows = self.reader(unit)
+        fresh, reuse = None, None
+        texts = rows.texts
+        if self.incremental is not None:
+            fresh, reuse = self._reuse(unit.id, rows, counters)
+            texts = [rows.texts[i] for i in fresh]
+        return _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh, reuse=reuse)
+
+    def _encode_and_write(self, unit: Unit, ahead: "_Ahead", counters: Counters) -> UnitResult:
+        from embedpipe.io.layout import atomic_write_table
+
+        started = time.time()  # the unit's turn: the report's timeline has no overlap within a worker
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: Ray's pool thread too
+        rows = ahead.rows
+        encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [F, D]
         extra = None
-        if self.incremental is None:
-            vectors = self.encoder.embed(rows.texts, counters)
+        if ahead.reuse is None:
+            vectors = encoded
         else:
-            vectors, extra = self._embed_incremental(unit.id, rows, counters)
+            vectors, extra = self._assemble(rows, ahead, encoded, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
             part = self.writer.write(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
@@ -105,23 +141,29 @@ class EmbedWorker:
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
                           started=started, finished=time.time(), device=self.device, node=self.node)
 
-    def _embed_incremental(self, unit_id: str, rows, counters):
-        """Encode only rows whose content changed; take the others' vectors from the previous version."""
+    def _reuse(self, unit_id: str, rows, counters):
+        """Incremental: the rows to encode (content changed) and the previous version's answer for the others."""
         import numpy as np
 
         from embedpipe.io.reuse import content_hashes
 
         with counters.time("reuse"):
             hashes = content_hashes(rows.texts, salt=self.incremental.salt)
-            reuse = np.zeros(len(rows.texts), dtype=bool)
+            reuse, reused = np.zeros(len(rows.texts), dtype=bool), None
             if self.previous is not None:
                 reuse, reused, counters.previous_ids = self.previous.lookup_unit(
                     rows.ids, hashes, same_part=self.incremental.same_part.get(unit_id),
                     moved=_table(self.incremental.moved.get(unit_id)))
-        fresh = np.flatnonzero(~reuse)
-        encoded = self.writer.store(self.encoder.embed([rows.texts[i] for i in fresh], counters))  # [F, W]
+        return np.flatnonzero(~reuse), (reuse, reused, hashes)
+
+    def _assemble(self, rows, ahead: "_Ahead", encoded, counters):
+        """Stored vectors of every row: the fresh ones encoded now, the others taken from the previous version."""
+        import numpy as np
+
+        reuse, reused, hashes = ahead.reuse
+        encoded = self.writer.store(encoded)  # [F, W]
         vectors = np.empty((len(rows.texts), encoded.shape[1]), dtype=encoded.dtype)  # stored values, [N, W]
-        vectors[fresh] = encoded
+        vectors[ahead.fresh] = encoded
         if reuse.any():
             vectors[reuse] = reused  # stored values of the same dtype, dim and calibration (they are in the salt)
             counters.rows += int(reuse.sum())
@@ -134,6 +176,35 @@ def _table(moved):
     import ray
 
     return ray.get(moved) if isinstance(moved, ray.ObjectRef) else moved
+
+
+@dataclass
+class _Ahead:
+    """A unit read and tokenized, waiting for its turn to encode."""
+
+    rows: Any  # ScreenedRows
+    texts: list[str]  # what is encoded: every row's text, or (incremental) the changed rows'
+    windows: list  # Encoder.prepare(texts)
+    fresh: Any = None  # incremental: [F] indices of the rows encoded
+    reuse: tuple | None = None  # incremental: (reuse mask [N], their previous stored vectors, content hashes)
+
+
+class Turns:
+    """Calls take their turn in submission order: ``seq`` 0, 1, 2, ... per actor, one at a time."""
+
+    def __init__(self) -> None:
+        self._next, self._cond = 0, threading.Condition()
+
+    @contextmanager
+    def turn(self, seq: int) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._next >= seq)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._next = max(self._next, seq + 1)
+                self._cond.notify_all()
 
 
 def node_name() -> str:

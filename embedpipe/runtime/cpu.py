@@ -20,6 +20,8 @@ import ctypes.util
 import functools
 import logging
 import os
+import socket
+import time
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,7 @@ def padded_rows(n: int) -> int:
 
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # float16 has no fast path on these CPUs: left to torch
+PROBE_ROWS, PROBE_REPEATS = 1024, 3  # the measured choice: a 1,024-token slice per linear shape, best of 3
 
 
 def use_onednn_linears(model: nn.Module) -> int:
@@ -108,6 +111,80 @@ def use_onednn_linears(model: nn.Module) -> int:
                 swapped += 1
     log.info("CPU matmuls through oneDNN: %d linear layers", swapped)
     return swapped
+
+
+def choose_linears(model: nn.Module) -> str:
+    """Put ``model``'s CPU linears on the faster GEMM library here, measured (not assumed by CPU vendor): "onednn"
+    (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL or its BLAS). oneDNN stays unless torch
+    measures faster by TORCH_MARGIN, and the answer is cached per machine (``cpu_linears.json`` in the
+    embedpipe cache), so every worker of a machine makes the same choice and computes the same bits."""
+    shapes = sorted({(m.in_features, m.out_features, m.weight.dtype) for m in model.modules()
+                     if type(m) is nn.Linear and m.weight.device.type == "cpu"}, key=lambda s: (s[:2], str(s[2])))
+    if not shapes:
+        return "torch"
+    dtype, threads = shapes[0][2], torch.get_num_threads()
+    dims = tuple((i, o) for i, o, d in shapes if d == dtype)
+    key = f"{socket.gethostname()}|{dtype}|threads={threads}|{dims}|torch={torch.__version__}"
+    choice = _cached_choice(key, lambda: _faster(linear_timings(dims, dtype=dtype, threads=threads)))
+    if choice == "onednn":
+        use_onednn_linears(model)
+    log.info("CPU linears (%s, %d threads): %s", dtype, threads, choice)
+    return choice
+
+
+TORCH_MARGIN = 1.25  # torch's GEMMs replace oneDNN's only when oneDNN takes 25% longer: noise never flips it
+
+
+def _faster(timings: dict[str, float]) -> str:
+    choice = "torch" if timings["onednn"] > TORCH_MARGIN * timings["torch"] else "onednn"
+    log.info("CPU linears measured, ms per probe: oneDNN %.1f, torch %.1f -> %s", timings["onednn"] * 1e3,
+             timings["torch"] * 1e3, choice)
+    return choice
+
+
+def _cached_choice(key: str, measure) -> str:
+    """The machine's answer for ``key`` from the cache file, measured under its lock when missing."""
+    import fcntl
+    import json
+
+    from embedpipe.io.cache import cache_dir
+
+    path = cache_dir() / "cpu_linears.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one measurement per machine at a time; the others read it
+        try:
+            table = dict(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            table = {}
+        if key not in table:
+            table[key] = measure()
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            os.replace(tmp, path)
+    return table[key]
+
+
+@functools.cache
+def linear_timings(shapes: tuple[tuple[int, int], ...], *, dtype: torch.dtype, threads: int) -> dict[str, float]:
+    """Best-of-PROBE_REPEATS seconds for every (in, out) shape at PROBE_ROWS rows, on oneDNN (inf when it cannot
+    run ``dtype`` here) and on torch's F.linear, interleaved; once per process for a model's shapes."""
+    g = torch.Generator().manual_seed(0)
+    probes = [(torch.randn(PROBE_ROWS, i, generator=g).to(dtype), torch.randn(o, i, generator=g).to(dtype),
+               torch.randn(o, generator=g).to(dtype)) for i, o in shapes]
+    runs = {"torch": lambda x, w, b: F.linear(x, w, b)}
+    if onednn_linear_works(dtype):
+        runs["onednn"] = lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    best = {name: float("inf") for name in ("onednn", "torch")}
+    with torch.no_grad():
+        for rep in range(PROBE_REPEATS + 1):  # pass 0 warms up (primitive creation, page faults)
+            for name, run in runs.items():
+                began = time.perf_counter()
+                for x, w, b in probes:
+                    run(x, w, b)
+                if rep:
+                    best[name] = min(best[name], time.perf_counter() - began)
+    return best
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from typing import Any
@@ -15,16 +16,17 @@ from embedpipe.models.loader import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
-from embedpipe.runtime.cpu import keep_freed_memory, use_onednn_linears
+from embedpipe.runtime.cpu import choose_linears, keep_freed_memory
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
 from embedpipe.runtime.warmup import warmup_guard
-from embedpipe.text.packer import TokenPacker
-from embedpipe.text.tokenizer import TextTokenizer
+from embedpipe.text.packer import Batch, TokenPacker
+from embedpipe.text.tokenizer import Tokenized, TextTokenizer
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Window = tuple[int, Tokenized, list[Batch]]  # (first row, its tokens, its packed batches): one sort window
 ENCODER_SECTIONS = ("model", "batching", "runtime")  # the job sections an encoder reads, with output.dim
 
 
@@ -55,7 +57,7 @@ class Encoder:
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         if self.device == "cpu":
-            use_onednn_linears(self.loaded.model)  # AVX-512 float32 GEMMs where MKL runs AVX2 (see runtime/cpu.py)
+            choose_linears(self.loaded.model)  # oneDNN or torch's GEMMs, whichever measures faster here (runtime/cpu.py)
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
         self.max_seq_len = effective_max_seq_len(model.max_seq_len, spec=spec, max_positions=self.loaded.max_positions)
@@ -98,23 +100,29 @@ class Encoder:
         job = job_from_options(model_path, options, source=source)
         return cls.from_job(job, threads=threads)
 
-    def embed(self, texts: list[str], counters: Counters | None = None) -> np.ndarray:
+    def prepare(self, texts: list[str], counters: Counters | None = None) -> list[Window]:
+        """Tokenize and pack ``texts`` whole, ahead of ``embed(texts, prepared=...)``: a worker prepares its next
+        unit this way while it encodes the current one (the read-ahead). Memory: the unit's token ids, twice."""
+        counters = counters if counters is not None else Counters()
+        return [self._window(texts, start, counters) for start in range(0, len(texts), self.batching.sort_window)]
+
+    def _window(self, texts: list[str], start: int, counters: Counters) -> Window:
+        with counters.time("tokenize"):
+            tok = self.tokenizer(texts[start:start + self.batching.sort_window])
+        with counters.time("pack"):
+            return start, tok, self.packer(tok)
+
+    def embed(self, texts: list[str], counters: Counters | None = None, *,
+              prepared: list[Window] | None = None) -> np.ndarray:
         """Texts to vectors [N, D] float32, in input order.
 
         A prefetch thread tokenizes and packs one sort window ahead while the runner encodes
         (the packer sorts within windows, so the batches are those of the whole list); results
         are read back as they complete. Stage times overlap: tokenize + pack + encode > wall.
+        ``prepared``: ``prepare(texts)``'s windows, when the caller tokenized them already.
         """
         counters = counters if counters is not None else Counters()
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        window = self.batching.sort_window
-
-        def prepare(start: int):  # prefetch thread: CPU only
-            with counters.time("tokenize"):
-                tok = self.tokenizer(texts[start:start + window])
-            with counters.time("pack"):
-                return start, tok, self.packer(tok)
-
         pending: deque = deque()  # (rows, LazyResult), oldest first
 
         def collect(force: bool) -> None:
@@ -123,7 +131,10 @@ class Encoder:
                 out[rows] = result.get().numpy()
                 counters.padded_tokens += result.computed_tokens
 
-        with counters.time("encode"), Prefetcher(range(0, len(texts), window), prepare) as ready:
+        starts = range(0, len(texts), self.batching.sort_window)
+        source = (contextlib.nullcontext(prepared) if prepared is not None
+                  else Prefetcher(starts, lambda start: self._window(texts, start, counters)))
+        with counters.time("encode"), source as ready:
             for start, tok, batches in ready:
                 for batch in batches:
                     pending.append((batch.rows + start, self.runner.submit(batch)))
