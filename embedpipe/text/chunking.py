@@ -43,9 +43,24 @@ class Chunks:
     def __len__(self) -> int:
         return int(self.doc.shape[0])
 
-    @property
-    def per_document(self) -> np.ndarray:  # [N] chunks of each document
-        return np.bincount(self.doc)
+    def per_document_of(self, documents: int) -> np.ndarray:  # [N] chunks of each document
+        return np.bincount(self.doc, minlength=documents)
+
+    def take(self, index: np.ndarray) -> "Chunks":
+        return Chunks(**{name: getattr(self, name)[index] for name in CHUNK_FIELDS})
+
+
+CHUNK_FIELDS = ("doc", "chunk", "first", "stop", "start", "end")
+
+
+def concat_chunks(parts: list[Chunks], *, offsets) -> Chunks:
+    """The chunks of consecutive lists of documents as one, ``offsets`` being each list's first document."""
+    parts = list(parts)
+    if not parts:
+        return Chunks(**{name: np.zeros(0, dtype=np.int32 if name == "chunk" else np.int64) for name in CHUNK_FIELDS})
+    joined = {name: np.concatenate([getattr(p, name) for p in parts]) for name in CHUNK_FIELDS}
+    joined["doc"] = np.concatenate([p.doc + off for p, off in zip(parts, offsets)])
+    return Chunks(**joined)
 
 
 class Chunker:
