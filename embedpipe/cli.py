@@ -102,12 +102,25 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
            k: Annotated[int, typer.Option("-k", "--k", help="Results to show.")] = 10,
            prompt: Annotated[Optional[str], typer.Option(
                help="Put before the query (e.g. 'query: '); default: the model's own query prompt, if any.",
-               show_default=False)] = None) -> None:
+               show_default=False)] = None,
+           per_document: Annotated[bool, typer.Option(
+               "--per-document", help="Chunked outputs (input.chunking): the best chunk of each document only.")]
+           = False) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable."""
     from embedpipe.index.search import open_index
 
     with _exit_codes():
         index = open_index(output_dir, query_prompt=prompt)
+    if per_document and not index.chunked:
+        typer.echo(f"error: --per-document: the index at {output_dir} is not over chunks (input.chunking is off): "
+                   f"leave the flag out", err=True)
+        raise typer.Exit(2)
+    if index.chunked:
+        [chunk_hits] = index.search([query], k=k, per_document=per_document)
+        for rank, hit in enumerate(chunk_hits, 1):
+            text = " ".join((hit.text or "").split())
+            typer.echo(f"{rank:>3}  {hit.score:8.4f}  {hit.id}  #{hit.chunk} [{hit.start}:{hit.end}]  {text[:120]}")
+        return
     [hits] = index.search([query], k=k)
     texts = index.source_texts([i for i, _ in hits])
     for rank, (id_, score) in enumerate(hits, 1):

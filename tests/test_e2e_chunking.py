@@ -167,3 +167,47 @@ def test_incremental_night_reencodes_exactly_changed_and_added_documents(tmp_pat
     assert report["incremental"]["encoded"] == fresh and report["incremental"]["reused"] == len(want) - fresh
     assert report["incremental"]["dropped"] == dropped
     check_output(root / "versions" / night2 / "vectors", want)
+
+
+def test_faiss_over_chunks_and_search_per_document(tmp_path, documents, encoder, ray_session, one_faiss_thread):
+    from embedpipe.index.search import ChunkHit, open_index
+
+    data = tmp_path / "docs.parquet"
+    pq.write_table(documents, data, row_group_size=10)
+    job = job_file(tmp_path, data, input={"unit_rows": 10}, output={"format": "faiss", "index": "Flat"})
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    ids = pq.read_table(out / "index" / "ids.parquet")
+    vectors = check_output(out / "vectors", expected(encoder, documents))
+    assert ids.column_names == ["index_id", "id", "chunk", "start", "end"] and ids.num_rows == vectors.num_rows
+    assert ids["index_id"].to_pylist() == list(range(ids.num_rows))  # dense: one index id per (id, chunk)
+
+    texts = dict(zip(documents["id"].to_pylist(), documents["text"].to_pylist()))
+    query = "how does the endpoint controller establish a link with the host"
+    index = open_index(out)
+    [hits] = index.search([query], k=30)
+    assert index.chunked and len(hits) == 30 and all(isinstance(h, ChunkHit) for h in hits)
+    assert all(h.text == texts[h.id][h.start:h.end] for h in hits)
+    assert len({h.id for h in hits}) < 30  # several chunks of one document among the hits
+    # the exact best chunk of each document, from the output's own vectors
+    q = encoder.embed([query])[0]
+    got = np.asarray(vectors["embedding"].to_pylist(), dtype=np.float32) @ q
+    best: dict = {}
+    for i, c, s, e, score in zip(vectors["id"].to_pylist(), vectors["chunk"].to_pylist(), vectors["start"].to_pylist(),
+                                 vectors["end"].to_pylist(), got):
+        if i not in best or score > best[i][0]:
+            best[i] = (score, c, s, e)
+    top = sorted(best, key=lambda i: -best[i][0])[:5]
+    [docs] = index.search([query], k=5, per_document=True)
+    assert [h.id for h in docs] == top
+    assert [(h.chunk, h.start, h.end) for h in docs] == [best[i][1:] for i in top]
+
+    cli = CliRunner().invoke(app, ["search", str(out), query, "-k", "5", "--per-document"])
+    assert cli.exit_code == 0, cli.output
+    lines = cli.output.strip().splitlines()
+    assert len(lines) == 5
+    for line, i in zip(lines, top):
+        _, c, s, e = best[i]
+        assert f" {i}  #{c} [{s}:{e}]  " in line
+        assert " ".join(texts[i][s:e].split())[:60] in line
