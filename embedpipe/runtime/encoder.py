@@ -14,6 +14,7 @@ from embedpipe.models import load_model
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
+from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.cpu import keep_freed_memory, use_onednn_linears
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
@@ -67,11 +68,18 @@ class Encoder:
                                        prompt=self.prompt)
         self.packer = TokenPacker(max_tokens=batching.max_tokens, sort_window=batching.sort_window)
         self.chunker = self._chunker(chunking) if chunking is not None and chunking.mode != "off" else None
+        self.late = None
         # sentence-transformers' include_prompt=false: the prompt's tokens stay out of the pool
         skip = 0 if spec.include_prompt else self.tokenizer.prompt_length
         self.head = self.loaded.build_head(pooling=model.pooling, normalize=model.normalize, dim=output_dim,
                                            skip_tokens=skip)
         self.dim = output_dim or self.loaded.dim
+        if self.chunker is not None and chunking.mode == "late":  # chunks pooled from one pass: no prompt skip
+            late_head = self.loaded.build_head(pooling=model.pooling, normalize=model.normalize, dim=output_dim,
+                                               skip_tokens=0)
+            self.late = LatePooler(model=self.loaded.model, head=late_head.to(self.device), packer=self.packer,
+                                   chunker=self.chunker, device=self.device, context=self.max_seq_len, dim=self.dim,
+                                   sort_window=batching.sort_window)
         self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_seq_len=self.max_seq_len,
                                    batching=batching, runtime=runtime)
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
@@ -80,7 +88,7 @@ class Encoder:
 
     def _chunker(self, chunking: ChunkingConfig) -> Chunker:
         """input.chunking against this model: max_tokens null is max_seq_len, and never above it."""
-        max_tokens = chunking.max_tokens or self.max_seq_len
+        max_tokens = chunking.max_tokens or (self.max_seq_len if chunking.mode == "split" else min(512, self.max_seq_len))
         if max_tokens > self.max_seq_len:
             raise ValueError(f"input.chunking.max_tokens={max_tokens} exceeds the model's max_seq_len="
                              f"{self.max_seq_len}: lower input.chunking.max_tokens, or leave it null")
@@ -127,6 +135,11 @@ class Encoder:
         if self.chunker is None:
             raise ValueError("embed_chunks needs input.chunking.mode split or late")
         counters = counters if counters is not None else Counters()
+        if self.late is not None:
+            chunks, vectors = self.late(texts, counters)
+            counters.rows += len(chunks)
+            counters.add_documents(chunks.per_document_of(len(texts)))
+            return chunks, vectors
         plans: list[Chunks] = []
 
         def tokenize(window: list[str]):  # prefetch thread

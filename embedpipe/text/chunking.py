@@ -115,13 +115,44 @@ class Chunker:
 
     def framed(self, docs: list[DocumentTokens], chunks: Chunks) -> Tokenized:
         """Each chunk's ids as the model reads them: specials, prompt, the span's tokens, specials."""
-        t = self.tokenizer
-        pieces = []
-        for d, first, stop in zip(chunks.doc.tolist(), chunks.first.tolist(), chunks.stop.tolist()):
-            pieces += [t.prefix, t.prompt_ids, docs[d].ids[first:stop], t.suffix]
-        lengths = (chunks.stop - chunks.first + t.framing).astype(np.int64)
-        ids = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
-        return Tokenized(ids=ids, lengths=lengths, truncated=np.zeros(len(chunks), dtype=bool))
+        return frame_spans(self.tokenizer, docs, chunks.doc, chunks.first, chunks.stop)
+
+
+def frame_spans(tokenizer: TextTokenizer, docs: list[DocumentTokens], doc: np.ndarray, first: np.ndarray,
+                stop: np.ndarray) -> Tokenized:
+    """Token spans [first, stop) of documents ``doc`` as sequences: specials, prompt, the span, specials."""
+    t, pieces = tokenizer, []
+    for d, a, b in zip(doc.tolist(), first.tolist(), stop.tolist()):
+        pieces += [t.prefix, t.prompt_ids, docs[d].ids[a:b], t.suffix]
+    lengths = (stop - first + t.framing).astype(np.int64)
+    ids = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, dtype=np.int64)
+    return Tokenized(ids=ids, lengths=lengths, truncated=np.zeros(len(doc), dtype=bool))
+
+
+@dataclass
+class Windows:
+    """Late chunking's forward passes: token spans of documents, each holding whole chunks."""
+
+    doc: np.ndarray  # [W] int64
+    first: np.ndarray  # [W] int64: first token of the window, into the document's tokens
+    stop: np.ndarray  # [W] int64
+    of_chunk: np.ndarray  # [C] int64: the window each chunk is pooled from
+
+
+def plan_windows(chunks: Chunks, *, budget: int) -> Windows:
+    """Consecutive chunks of a document gathered into windows of at most ``budget`` text tokens: the whole
+    document when it fits, else a window starting at its first chunk not yet placed (consecutive windows
+    then share the chunks' ``overlap`` tokens)."""
+    doc, first, stop, of_chunk = [], [], [], np.empty(len(chunks), dtype=np.int64)
+    for i, (d, a, b) in enumerate(zip(chunks.doc.tolist(), chunks.first.tolist(), chunks.stop.tolist())):
+        if not doc or doc[-1] != d or b - first[-1] > budget:
+            doc.append(d)
+            first.append(a)
+            stop.append(b)
+        stop[-1] = max(stop[-1], b)
+        of_chunk[i] = len(doc) - 1
+    as_array = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+    return Windows(doc=as_array(doc), first=as_array(first), stop=as_array(stop), of_chunk=of_chunk)
 
 
 def boundary_rank(doc: DocumentTokens, text: str, stop: int) -> int:
