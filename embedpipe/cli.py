@@ -159,6 +159,9 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
                               "scripts.")] = False,
            texts: Annotated[bool, typer.Option(
                help="Show each hit's text, read from the job's input.")] = True,
+           per_document: Annotated[bool, typer.Option(
+               "--per-document", help="Chunked outputs (input.chunking): the best chunk of each document only.")]
+           = False,
            verbose: Verbose = 0, quiet: Quiet = False) -> None:
     """Search a built index with a text query: ids, scores and the source text when still readable.
 
@@ -168,6 +171,26 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
 
     with _exit_codes():
         index = open_index(output_dir, query_prompt=prompt)
+    if per_document and not index.chunked:
+        typer.echo(f"error: --per-document: the index at {output_dir} is not over chunks (input.chunking is off): "
+                   f"leave the flag out", err=True)
+        raise typer.Exit(2)
+    if index.chunked:
+        with _exit_codes():
+            [chunk_hits] = index.search([query], k=k, per_document=per_document)
+        if json_:
+            import json
+
+            results = [{"rank": rank, "id": hit.id, "chunk": hit.chunk, "start": hit.start, "end": hit.end,
+                        "score": hit.score, "text": hit.text if texts else None}
+                       for rank, hit in enumerate(chunk_hits, 1)]
+            typer.echo(json.dumps({"query": query, "k": k, "results": results, "warnings": []}, default=str))
+            return
+        for rank, hit in enumerate(chunk_hits, 1):
+            text = " ".join((hit.text or "").split()) if texts else ""
+            typer.echo(f"{rank:>3}  {hit.score:8.4f}  {hit.id}  #{hit.chunk} [{hit.start}:{hit.end}]  {text[:120]}")
+        return
+    with _exit_codes():
         [hits] = index.search([query], k=k)
     found = index.source_texts([i for i, _ in hits], warn=False) if texts else {}
     if index.text_problem and not json_:

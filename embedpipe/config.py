@@ -80,6 +80,34 @@ OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"
 
 
 @dataclass(frozen=True)
+class ChunkingConfig:
+    """input.chunking: long documents cut into token spans on the worker (embedpipe/text/chunking.py)."""
+
+    mode: Literal["off", "split", "late"] = opt(
+        "off", "off: one vector per row, the text truncated at model.max_seq_len. split: each document cut into chunks "
+               "of at most max_tokens tokens, each chunk encoded on its own (one output row per chunk). late: one "
+               "forward pass over the whole document (windows of model.max_seq_len with the overlap when longer), "
+               "each chunk's vector pooled from its own tokens of that pass.")
+    max_tokens: int | None = opt(None, "Tokens per chunk, special tokens and the prompt counted; null: model.max_seq_len "
+                                       "(split) or 512 within it (late).")
+    overlap: int = opt(0, "Tokens shared by consecutive chunks of a document (exactly this many).")
+    boundary_window: int = opt(32, "Tokens before the limit searched for a cut: a sentence end, else a line break, "
+                                   "else whitespace (a cut mid-word only when no whitespace is in the window).")
+
+    def validate(self) -> None:
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise JobError("input.chunking.max_tokens", f"{self.max_tokens!r} is not positive",
+                           "set input.chunking.max_tokens to a token count such as 256, or null")
+        for name in ("overlap", "boundary_window"):
+            if getattr(self, name) < 0:
+                raise JobError(f"input.chunking.{name}", f"{getattr(self, name)!r} is negative",
+                               f"set input.chunking.{name} to 0 or more")
+        if self.max_tokens is not None and self.overlap >= self.max_tokens:
+            raise JobError("input.chunking.overlap", f"{self.overlap} is not below input.chunking.max_tokens="
+                           f"{self.max_tokens}", "lower input.chunking.overlap (e.g. an eighth of max_tokens)")
+
+
+@dataclass(frozen=True)
 class InputConfig:
     path: str = opt(doc="A file, a directory of files or a glob (`data/*.parquet`), local or a URL (`s3://…`, any "
                         "fsspec protocol); huggingface: a `save_to_disk` folder or a dataset name in the local HF cache.",
@@ -102,6 +130,8 @@ class InputConfig:
     on_duplicate_id: Literal["error", "keep_first"] = opt(
         "error", "An id seen twice in the input: error stops before encoding; keep_first embeds the first "
                  "occurrence (input order) and lists the others in skipped.parquet.")
+    chunking: ChunkingConfig = opt(ChunkingConfig(), "Long documents: token-aware chunks with overlap (the "
+                                                     "`input.chunking.*` fields below; off by default).")
 
     def validate(self) -> None:
         _positive(self, "input", "unit_rows")
@@ -399,6 +429,9 @@ def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
     key, sep, text = item.partition("=")
     key = key.strip()
     parts = key.split(".")
+    if len(parts) == 3 and all(parts) and sep and _nested(parts[0], parts[1]) is not None:
+        _apply_nested_override(raw, parts, _override_value(key, text, source=source), source=source)
+        return
     if not sep and len(parts) == 2 and all(parts):
         raise JobError("--set", f"{item!r} has no value", f"write --set {key}=VALUE", source=source)
     if not sep or len(parts) != 2 or not all(parts):
@@ -419,6 +452,32 @@ def apply_override(raw: dict, item: str, *, source: str = "--set") -> None:
     if not isinstance(raw[section], dict):
         raise JobError(section, "must be a mapping", f"write `{section}:` followed by indented fields", source=source)
     raw[section][name] = value
+
+
+def _nested(section: str, name: str) -> type | None:
+    """The dataclass of a nested section (input.chunking), else None."""
+    cls = SECTIONS.get(section)
+    if cls is None or _field(cls, name) is None:
+        return None
+    tp = typing.get_type_hints(cls)[name]
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _apply_nested_override(raw: dict, parts: list[str], value: Any, *, source: str) -> None:
+    """``--set input.chunking.max_tokens=256``: one field of a nested section."""
+    section, name, leaf = parts
+    key = ".".join(parts)
+    cls = _nested(section, name)
+    if _field(cls, leaf) is not None:
+        _check_override(key, str(value), value, typing.get_type_hints(cls)[leaf], source=source)
+    sub = raw.setdefault(section, {})
+    if not isinstance(sub, dict):
+        raise JobError(section, "must be a mapping", f"write `{section}:` followed by indented fields", source=source)
+    nested = sub.setdefault(name, {})
+    if not isinstance(nested, dict):
+        raise JobError(f"{section}.{name}", "must be a mapping", f"write `{name}:` followed by indented fields",
+                       source=source)
+    nested[leaf] = value
 
 
 _QUOTE_HINT = "a --set value is read as YAML: quote a string that YAML would read otherwise"
@@ -522,6 +581,10 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
         raise JobError(where, f"{value!r} is not one of {choices}", f"set {where} to one of them", source=source)
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):  # a nested section (input.chunking)
+        if isinstance(tp, type) and isinstance(value, tp):
+            return value
+        return _parse_section(where, tp, value, source)
     if tp is type(None):
         if value is None:
             return None
@@ -655,11 +718,22 @@ def render_reference() -> str:
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         lines += [f"## `{section}`", "", "| field | type | default | meaning |", "| --- | --- | --- | --- |"]
-        for f in dataclasses.fields(cls):
-            default = "**required**" if f.default is REQUIRED else f"`{_yaml_scalar(f)}`"
-            lines.append(f"| `{section}.{f.name}` | {_describe(hints[f.name])} | {default} | {f.metadata.get('doc', '')} |")
+        lines += _reference_rows(section, cls)
         lines.append("")
     return "\n".join(lines)
+
+
+def _reference_rows(prefix: str, cls: type) -> list[str]:
+    """One table row per field; a nested section (input.chunking) as a row, then rows of its own fields."""
+    rows, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows.append(f"| `{prefix}.{f.name}` | a mapping | | {f.metadata.get('doc', '')} |")
+            rows += _reference_rows(f"{prefix}.{f.name}", hints[f.name])
+            continue
+        default = "**required**" if f.default is REQUIRED else f"`{_yaml_scalar(f)}`"
+        rows.append(f"| `{prefix}.{f.name}` | {_describe(hints[f.name])} | {default} | {f.metadata.get('doc', '')} |")
+    return rows
 
 
 def _yaml_scalar(f: dataclasses.Field) -> str:

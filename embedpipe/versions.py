@@ -85,8 +85,10 @@ def validate(version_dir: str | Path, report: dict, *, expected_rows: int) -> No
     problems = []
     if report["units"]["failed"]:
         problems.append(f"{report['units']['failed']} units failed")
-    if report["rows"] + report["skipped_rows"] != expected_rows:
-        problems.append(f"{report['rows']} rows written + {report['skipped_rows']} skipped != {expected_rows} input rows")
+    embedded = report.get("chunking", {}).get("documents", report["rows"])  # input.chunking: rows are chunks
+    if embedded + report["skipped_rows"] != expected_rows:
+        what = "documents chunked" if "chunking" in report else "rows written"
+        problems.append(f"{embedded} {what} + {report['skipped_rows']} skipped != {expected_rows} input rows")
     manifest = Manifest(version_dir)  # the recorded parts, never a listing of vectors/ (orphans are not rows)
     written = sum(pq.ParquetFile(manifest.store.arrow_source(p)).metadata.num_rows
                   for record in manifest.done().values() for p in manifest.part_paths(record))

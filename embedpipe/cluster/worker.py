@@ -107,6 +107,8 @@ class EmbedWorker:
         """The read side of a unit: its rows, the texts to encode (incremental: the changed ones), tokenized."""
         with counters.time("read"):
             rows = self.reader(unit)
+        if self.encoder.chunker is not None:  # chunked: read ahead, chunked and encoded in its turn
+            return _Ahead(rows=rows, texts=rows.texts, windows=[])
         fresh, reuse = None, None
         texts = rows.texts
         if self.incremental is not None:
@@ -123,15 +125,17 @@ class EmbedWorker:
 
             torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: Ray's pool thread too
         rows = ahead.rows
-        encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [F, D]
-        extra = None
-        if ahead.reuse is None:
-            vectors = encoded
+        extra, ids = None, rows.ids
+        if self.encoder.chunker is not None:
+            ids, vectors, extra = self._embed_chunks(rows, counters)
+        elif ahead.reuse is None:
+            vectors = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [N, D]
         else:
+            encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [F, D]
             vectors, extra = self._assemble(rows, ahead, encoded, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         with counters.time("write"):
-            part = self.writer.write(unit.id, rows.ids, vectors, extra, stored=self.incremental is not None)
+            part = self.writer.write(unit.id, ids, vectors, extra, stored=self.incremental is not None)
             if rows.skipped.num_rows:
                 atomic_write_table(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done
@@ -169,6 +173,47 @@ class EmbedWorker:
             counters.rows += int(reuse.sum())
             counters.reused_rows = int(reuse.sum())
         return vectors, {"content_hash": hashes}
+
+
+    def _embed_chunks(self, rows, counters):
+        """input.chunking: one row per chunk, (id, chunk) in document then text order; an incremental run hashes
+        each whole document and reuses all chunks of an unchanged one (the previous version's rows)."""
+        import numpy as np
+        import pyarrow as pa
+
+        from embedpipe.io.reuse import content_hashes, stored_rows
+
+        fresh = np.arange(len(rows.texts))
+        hashes, reused = None, None
+        if self.incremental is not None:
+            with counters.time("reuse"):
+                hashes = content_hashes(rows.texts, salt=self.incremental.salt)  # [N] per document
+                if self.previous is not None:
+                    reuse, reused, counters.previous_ids = self.previous.lookup_chunks(rows.ids, hashes)
+                    fresh = np.flatnonzero(~reuse)
+        chunks, vectors = self.encoder.embed_chunks([rows.texts[i] for i in fresh], counters)
+        doc = fresh[chunks.doc]  # [C] the document (row) of each fresh chunk
+        columns = {"chunk": chunks.chunk, "start": chunks.start, "end": chunks.end}
+        if self.incremental is not None:
+            vectors = self.writer.store(vectors)  # stored values [C, W], like the reused ones
+        if reused is not None and reused.num_rows:
+            position = {key: i for i, key in enumerate(rows.ids.to_pylist())}
+            old_doc = np.fromiter((position[k] for k in reused["id"].to_pylist()), np.int64, count=reused.num_rows)
+            doc = np.concatenate([doc, old_doc])
+            for name in columns:
+                columns[name] = np.concatenate([columns[name], reused[name].to_numpy().astype(columns[name].dtype)])
+            vectors = np.concatenate([vectors, stored_rows(reused).astype(vectors.dtype, copy=False)])
+            reused_docs = np.unique(old_doc)
+            counters.rows += reused.num_rows
+            counters.reused_rows = reused.num_rows
+            counters.add_documents(np.bincount(old_doc)[reused_docs])
+        order = np.lexsort((columns["chunk"], doc))  # documents in input order, chunks in text order
+        extra = {"chunk": pa.array(columns["chunk"][order], pa.int32()),
+                 "start": pa.array(columns["start"][order], pa.int64()),
+                 "end": pa.array(columns["end"][order], pa.int64())}
+        if hashes is not None:
+            extra["content_hash"] = hashes.take(pa.array(doc[order]))
+        return rows.ids.take(pa.array(doc[order])), vectors[order], extra
 
 
 def _table(moved):

@@ -35,7 +35,8 @@ from embedpipe.config import JobSpec
 from embedpipe.index.factory import IndexSpec
 from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
 from embedpipe.index.merge import merge_in_memory, merge_on_disk
-from embedpipe.index.parts import Part, Sample, UniformSampler, existing_parts, read_ids, read_vectors
+from embedpipe.index.parts import (Part, Sample, UniformSampler, existing_parts, read_chunk_columns, read_ids,
+                                    read_vectors)
 from embedpipe.index.plan import IndexPlan
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardBuilder, ShardContext, ShardResult
@@ -197,10 +198,12 @@ class IndexBuild:
                 raise RuntimeError(f"{part.path} has {len(ids)} rows, unit {part.unit_id} has {part.rows}")
             check(ids)
             sampler(ids, vectors)
-        plan = plan_ids([(p.unit_id, p.rows) for p in self.parts], native=check.unique())
+        chunked = bool(self.parts) and read_chunk_columns(self.parts[0].path) is not None
+        # chunked outputs (input.chunking): dense index ids, each mapped to (id, chunk) in ids.parquet
+        plan = plan_ids([(p.unit_id, p.rows) for p in self.parts], native=check.unique() and not chunked)
         writer = IdMapWriter(self.files.work_ids, plan)
         for part in self.parts:
-            writer(part.unit_id, read_ids(part.path))
+            writer(part.unit_id, read_ids(part.path), read_chunk_columns(part.path) if chunked else None)
         writer.close()
         return sampler.result(self.plan.dim), plan
 

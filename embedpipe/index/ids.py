@@ -3,7 +3,9 @@
 Integer ids that fit int64 and are unique are used as they are (``native``). Anything else
 (strings, uint64 past 2**63, duplicates, nulls) gets dense index ids by position: unit order,
 then row order, so the same input always gets the same index ids. ``ids.parquet`` holds
-(``index_id``, ``id``) in index-id order and is the source of truth either way.
+(``index_id``, ``id``) in index-id order and is the source of truth either way. A chunked output
+(input.chunking: one row per chunk) always gets dense ids, and ``ids.parquet`` adds each row's
+``chunk``, ``start`` and ``end``: an index id names one (id, chunk).
 """
 
 from __future__ import annotations
@@ -77,8 +79,11 @@ class IdMapWriter:
         self.tmp = temp_path(self.path)
         self.writer: pq.ParquetWriter | None = None
 
-    def __call__(self, unit_id: str, ids: pa.Array) -> None:
+    def __call__(self, unit_id: str, ids: pa.Array, chunks: pa.Table | None = None) -> None:
+        """``chunks``: a chunked part's chunk, start and end columns, written beside each row's id."""
         table = pa.table({"index_id": self.plan.index_ids(unit_id, ids), "id": ids})
+        for name in (chunks.column_names if chunks is not None else ()):
+            table = table.append_column(name, chunks.column(name))
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.tmp, table.schema)
         self.writer.write_table(table)
@@ -90,11 +95,17 @@ class IdMapWriter:
 
 
 class IdLookup:
-    """index id -> input id, read from ``ids.parquet`` (memory-mapped)."""
+    """index id -> input id, read from ``ids.parquet`` (memory-mapped); a chunked index's also -> its chunk."""
 
     def __init__(self, path: Path, *, native: bool):
         self.native = native
         self.table = pq.read_table(path, memory_map=True)
+        self.chunked = "chunk" in self.table.column_names  # input.chunking: dense ids, one per (id, chunk)
+
+    def chunks(self, index_ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """(chunk, start, end) of each index id of a chunked index (dense: index id == row)."""
+        rows = self.table.select(["chunk", "start", "end"]).take(pa.array(np.asarray(index_ids, dtype=np.int64)))
+        return list(zip(*(rows.column(name).to_pylist() for name in ("chunk", "start", "end"))))
 
     def __call__(self, index_ids: np.ndarray) -> list:
         index_ids = np.asarray(index_ids, dtype=np.int64)

@@ -88,6 +88,19 @@ def read_ids(path: str | Path) -> pa.Array:
     return _read_table(path, columns=["id"]).column("id").combine_chunks()
 
 
+CHUNK_COLUMNS = ("chunk", "start", "end")  # a chunked part's (input.chunking) place of each row in its document
+
+
+def read_chunk_columns(path: str | Path) -> pa.Table | None:
+    """A chunked part's chunk, start and end columns; None for a part of one row per input row."""
+    source = store_for(path).arrow_source(tree_path(path))
+    try:
+        names = pq.ParquetFile(source).schema_arrow.names
+    finally:
+        _close(source)
+    return _read_table(path, columns=list(CHUNK_COLUMNS)) if "chunk" in names else None
+
+
 @dataclass
 class Sample:
     train: np.ndarray  # [n_train, D] float32, in random order: any prefix is a uniform sample too

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,18 @@ def _job_from_dict(raw: dict):
         except TypeError:  # a section whose required fields this version does not find
             sections[name] = None
     return JobSpec(**{k: v for k, v in sections.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    """A hit of a chunked index (input.chunking): the document's id, which chunk, where it is, its text."""
+
+    id: object
+    score: float
+    chunk: int
+    start: int  # character offsets of the chunk in its document's text
+    end: int
+    text: str | None = None  # the chunk's text, when the job's input is still readable
 
 
 class OpenedIndex:
@@ -109,11 +122,47 @@ class OpenedIndex:
         """Query vectors [N, D]: the job's model settings and output.dim, with the query prompt."""
         return self.encoder.embed(list(texts))
 
-    def search(self, texts: str | list[str], k: int = 10) -> list[list[tuple[object, float]]]:
+    @property
+    def chunked(self) -> bool:
+        """The index is over chunks (input.chunking): hits are ``ChunkHit``s."""
+        return self.ids.chunked
+
+    def search(self, texts: str | list[str], k: int = 10, *, per_document: bool = False) -> list[list]:
         """For each query text, (input id, score) pairs, best first (inner product: higher is closer;
-        L2: the squared distance, lower is closer)."""
+        L2: the squared distance, lower is closer). A chunked index gives ``ChunkHit``s (id, score, chunk,
+        start, end, the chunk's text); ``per_document``: only the best chunk of each document, k documents."""
         texts = [texts] if isinstance(texts, str) else list(texts)
-        return self.search_vectors(self.embed(texts), k=k)
+        vectors = self.embed(texts)
+        if not self.chunked:
+            return self.search_vectors(vectors, k=k)
+        return self.search_chunks(vectors, k=k, per_document=per_document)
+
+    def search_chunks(self, vectors: np.ndarray, k: int = 10, *, per_document: bool = False) -> list[list[ChunkHit]]:
+        """A chunked index's hits for query vectors; ``per_document`` collapses them to each document's best chunk
+        (candidates widened until k documents are found or the index is exhausted)."""
+        out = []
+        for vector in np.atleast_2d(vectors):
+            want = k
+            while True:
+                scores, index_ids = self.index.search(np.ascontiguousarray(vector[None], dtype=np.float32), want)
+                keep = index_ids[0] >= 0
+                hits = self._chunk_hits(index_ids[0][keep], scores[0][keep])
+                if per_document:
+                    hits = best_per_document(hits)
+                if not per_document or len(hits) >= k or want >= self.index.ntotal:
+                    break
+                want = min(want * 4, self.index.ntotal)
+            out.append(self._with_texts(hits[:k]))
+        return out
+
+    def _chunk_hits(self, index_ids: np.ndarray, scores: np.ndarray) -> list[ChunkHit]:
+        return [ChunkHit(id=i, score=float(s), chunk=c, start=a, end=b)
+                for i, s, (c, a, b) in zip(self.ids(index_ids), scores, self.ids.chunks(index_ids))]
+
+    def _with_texts(self, hits: list[ChunkHit]) -> list[ChunkHit]:
+        texts = self.source_texts(list({h.id for h in hits})) if hits else {}
+        return [dataclasses.replace(h, text=texts[h.id][h.start:h.end]) if isinstance(texts.get(h.id), str) else h
+                for h in hits]
 
     def search_vectors(self, vectors: np.ndarray, k: int = 10) -> list[list[tuple[object, float]]]:
         scores, index_ids = self.index.search(np.ascontiguousarray(vectors, dtype=np.float32), k)
@@ -190,6 +239,16 @@ def _read_description(root) -> OutputDescription | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable: search on with the job's settings
         log.warning("%s: embedpipe.json unreadable (%s): the job's settings are used", root, exc)
         return None
+
+
+def best_per_document(hits: list[ChunkHit]) -> list[ChunkHit]:
+    """The first (best) hit of each document, in hit order."""
+    seen, out = set(), []
+    for hit in hits:
+        if hit.id not in seen:
+            seen.add(hit.id)
+            out.append(hit)
+    return out
 
 
 def _is_file(path) -> bool:

@@ -152,8 +152,11 @@ def vector_salt(fingerprint: dict[str, Any]) -> bytes:
     """
     settings = fingerprint["settings"]
     output = {k: v for k, v in settings.get("output", {}).items() if k in ("dim", "dtype")}
-    body = json.dumps({"model": fingerprint["model"], "model_settings": settings.get("model", {}), "output": output},
-                      sort_keys=True, default=str)
+    salted = {"model": fingerprint["model"], "model_settings": settings.get("model", {}), "output": output}
+    chunking = settings.get("input", {}).get("chunking") or {}
+    if chunking.get("mode", "off") != "off":  # how documents are cut (absent when off: earlier salts stay)
+        salted["chunking"] = chunking
+    body = json.dumps(salted, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).digest()
 
 

@@ -52,22 +52,44 @@ class PreviousVectors:
 
         The vectors keep their stored type (float32, float16, int8, uint8): the salt covers output.dtype
         and output.dim, so a reused row always has the type and width of the run's fresh rows."""
+        reuse, files, previous, _ = self._match(ids, hashes)
+        if not reuse.any():
+            return reuse, np.zeros((0, 0), np.float32), previous
+        reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
+        by_id: dict = {}
+        for file in files:
+            part = pq.read_table(file, columns=["id", "embedding"], filters=[("id", "in", reused_ids)],
+                                 filesystem=self.filesystem)
+            by_id.update(zip(part["id"].to_pylist(), stored_rows(part)))
+        return reuse, np.stack([by_id[i] for i in reused_ids]), previous
+
+    def lookup_chunks(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, pa.Table, int]:
+        """Chunked outputs (input.chunking): ``hashes`` are the documents' (the whole text). (reuse mask [N] over
+        the documents, every chunk row of the reused documents (id, chunk, start, end, embedding; any order),
+        chunk rows of the documents present before): an unchanged document reuses all of its chunks, a changed
+        one none."""
+        reuse, files, _, previous = self._match(ids, hashes)
+        reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
+        columns = ["id", "chunk", "start", "end", "embedding"]
+        parts = [pq.read_table(file, columns=columns, filters=[("id", "in", reused_ids)], filesystem=self.filesystem)
+                 for file in files] if reused_ids else []
+        return reuse, (pa.concat_tables(parts) if parts else None), previous
+
+    def _match(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, list[str], int, int]:
+        """(reuse mask [N]: the id is there with the same hash, the part files holding them, ids present before,
+        their rows: one per id, or per chunk in a chunked output)."""
         found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=_id_filter(ids))
         previous = dict(zip(found["id"].to_pylist(), zip(found["content_hash"].to_pylist(),
                                                          found["__filename"].to_pylist())))
         wanted = [previous.get(i) for i in ids.to_pylist()]
         reuse = np.array([w is not None and w[0] == h for w, h in zip(wanted, hashes.to_pylist())], dtype=bool)
-        if not reuse.any():
-            return reuse, np.zeros((0, 0), np.float32), len(previous)
-        reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
-        by_id: dict = {}
-        for file in sorted({wanted[k][1] for k in np.flatnonzero(reuse)}):
-            part = pq.read_table(file, columns=["id", "embedding"], filters=[("id", "in", reused_ids)],
-                                 filesystem=self.filesystem)
-            flat = part["embedding"].combine_chunks()
-            rows = np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
-            by_id.update(zip(part["id"].to_pylist(), rows))
-        return reuse, np.stack([by_id[i] for i in reused_ids]), len(previous)
+        return reuse, sorted({wanted[k][1] for k in np.flatnonzero(reuse)}), len(previous), found.num_rows
+
+
+def stored_rows(part: pa.Table) -> np.ndarray:
+    """A part's ``embedding`` column as its stored values [N, W]."""
+    flat = part["embedding"].combine_chunks()
+    return np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
 
 
     def lookup_unit(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,

@@ -21,6 +21,8 @@ class Counters:
     reused_rows: int = 0  # incremental: rows whose vector came from the previous version
     previous_ids: int = 0  # incremental: rows whose id was in the previous version (changed or not)
     tokens_squared: int = 0  # sum over rows of length^2: the attention term of model FLOPs (report/flops.py)
+    documents: int = 0  # input.chunking: documents cut into chunks (each chunk is a row)
+    chunks_max: int = field(default=0, metadata={"merge": max})  # input.chunking: most chunks of one document
     stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     @contextmanager
@@ -35,12 +37,20 @@ class Counters:
         """Add ``other`` in place: numbers add, dicts add key by key."""
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, dict):
+            if f.metadata.get("merge") is not None:
+                setattr(self, f.name, f.metadata["merge"](mine, theirs))
+            elif isinstance(mine, dict):
                 for key, value in theirs.items():
                     mine[key] = mine.get(key, 0) + value
             else:
                 setattr(self, f.name, mine + theirs)
         return self
+
+    def add_documents(self, chunks_per_document) -> None:
+        """input.chunking: the documents of a list and their chunk counts (an array [N])."""
+        self.documents += len(chunks_per_document)
+        if len(chunks_per_document):
+            self.chunks_max = max(self.chunks_max, int(max(chunks_per_document)))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,7 +33,15 @@ def build_report(total: Counters, *, this_run: Counters, wall_seconds: float, wo
         "units": units,
         "stages": {stage: round(seconds, 3) for stage, seconds in total.stages.items()},
         "peak_rss_mb": peak_rss_mb or {},
+        **({"chunking": chunking_section(total)} if total.documents else {}),
     }
+
+
+def chunking_section(total: Counters) -> dict:
+    """input.chunking: documents, their chunks (the output's rows) and tokens (the chunks', overlap included)."""
+    return {"documents": total.documents, "chunks": total.rows,
+            "chunks_per_document_mean": round(total.rows / total.documents, 2),
+            "chunks_per_document_max": total.chunks_max, "tokens": total.tokens}
 
 
 def write_report(output: Path, report: dict) -> Path:
@@ -52,6 +60,10 @@ def render_summary(report: dict) -> str:
         f"truncated rows: {report['truncated_rows']:,}; skipped rows: {report['skipped_rows']:,}; "
         f"worker-seconds by stage: {stages}",
     ]
+    if "chunking" in report:
+        c = report["chunking"]
+        lines.append(f"chunking: {c['documents']:,} documents, {c['chunks']:,} chunks ({c['chunks_per_document_mean']} "
+                     f"per document, at most {c['chunks_per_document_max']}), {c['tokens']:,} tokens")
     if "index" in report:
         lines.append(render_index(report["index"]))
     return "\n".join(lines)

@@ -10,16 +10,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedpipe.config import BatchingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig, resolve_dtype
+from embedpipe.config import BatchingConfig, ChunkingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig, resolve_dtype
 from embedpipe.models import load_model
 from embedpipe.models.loader import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
 from embedpipe.runtime.cpu import choose_linears, keep_freed_memory
+from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
 from embedpipe.runtime.warmup import warmup_guard
+from embedpipe.text.chunking import Chunker, Chunks, concat_chunks
 from embedpipe.text.packer import Batch, TokenPacker
 from embedpipe.text.tokenizer import Tokenized, TextTokenizer
 
@@ -41,7 +43,8 @@ class Encoder:
     embedpipe/config.py only) and ``output.dim``; ``threads``: torch intra-op threads, None leaves torch's."""
 
     def __init__(self, *, model: ModelConfig, batching: BatchingConfig, runtime: RuntimeConfig,
-                 output_dim: int | None = None, threads: int | None = None):
+                 output_dim: int | None = None, threads: int | None = None,
+                 chunking: ChunkingConfig | None = None):
         self.model_config, self.batching, self.runtime = model, batching, runtime
         if threads:
             torch.set_num_threads(threads)
@@ -67,22 +70,39 @@ class Encoder:
         self.tokenizer = TextTokenizer(self.model_dir, max_seq_len=self.max_seq_len, lower_case=spec.do_lower_case,
                                        prompt=self.prompt)
         self.packer = TokenPacker(max_tokens=batching.max_tokens, sort_window=batching.sort_window)
+        self.chunker = self._chunker(chunking) if chunking is not None and chunking.mode != "off" else None
+        self.late = None
         # sentence-transformers' include_prompt=false: the prompt's tokens stay out of the pool
         skip = 0 if spec.include_prompt else self.tokenizer.prompt_length
         self.head = self.loaded.build_head(pooling=model.pooling, normalize=model.normalize, dim=output_dim,
                                            skip_tokens=skip)
         self.dim = output_dim or self.loaded.dim
+        if self.chunker is not None and chunking.mode == "late":  # chunks pooled from one pass: no prompt skip
+            late_head = self.loaded.build_head(pooling=model.pooling, normalize=model.normalize, dim=output_dim,
+                                               skip_tokens=0)
+            self.late = LatePooler(model=self.loaded.model, head=late_head.to(self.device), packer=self.packer,
+                                   chunker=self.chunker, device=self.device, context=self.max_seq_len, dim=self.dim,
+                                   sort_window=batching.sort_window)
         self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_seq_len=self.max_seq_len,
                                    batching=batching, runtime=runtime)
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
                  self.dtype, self.runner.name, self.dim, self.max_seq_len)
         self.warmup = warmup_guard(self) if runtime.warmup_check else None  # raises WarmupDivergence
 
+    def _chunker(self, chunking: ChunkingConfig) -> Chunker:
+        """input.chunking against this model: max_tokens null is max_seq_len, and never above it."""
+        max_tokens = chunking.max_tokens or (self.max_seq_len if chunking.mode == "split" else min(512, self.max_seq_len))
+        if max_tokens > self.max_seq_len:
+            raise ValueError(f"input.chunking.max_tokens={max_tokens} exceeds the model's max_seq_len="
+                             f"{self.max_seq_len}: lower input.chunking.max_tokens, or leave it null")
+        return Chunker(tokenizer=self.tokenizer, max_tokens=max_tokens, overlap=chunking.overlap,
+                       window=chunking.boundary_window)
+
     @classmethod
     def from_job(cls, job: JobSpec, *, threads: int | None = None) -> "Encoder":
-        """The encoder of a job's workers."""
+        """The encoder of a job's workers (chunking as the job's input.chunking says)."""
         return cls(model=job.model, batching=job.batching, runtime=job.runtime, output_dim=job.output.dim,
-                   threads=threads)
+                   threads=threads, chunking=job.input.chunking)
 
     @classmethod
     def from_options(cls, model_path: str, *, threads: int | None = None, **options: Any) -> "Encoder":
@@ -106,9 +126,10 @@ class Encoder:
         counters = counters if counters is not None else Counters()
         return [self._window(texts, start, counters) for start in range(0, len(texts), self.batching.sort_window)]
 
-    def _window(self, texts: list[str], start: int, counters: Counters) -> Window:
+    def _window(self, texts: list[str], start: int, counters: Counters, tokenize=None) -> Window:
+        """One sort window, tokenized (``tokenize``: the tokenizer, or the chunker's framing) and packed."""
         with counters.time("tokenize"):
-            tok = self.tokenizer(texts[start:start + self.batching.sort_window])
+            tok = (tokenize or self.tokenizer)(texts[start:start + self.batching.sort_window])
         with counters.time("pack"):
             return start, tok, self.packer(tok)
 
@@ -122,26 +143,59 @@ class Encoder:
         ``prepared``: ``prepare(texts)``'s windows, when the caller tokenized them already.
         """
         counters = counters if counters is not None else Counters()
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        pending: deque = deque()  # (rows, LazyResult), oldest first
+        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared)
+        counters.rows += len(texts)
+        return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
+
+    def embed_chunks(self, texts: list[str], counters: Counters | None = None) -> tuple[Chunks, np.ndarray]:
+        """Documents to chunks (embedpipe/text/chunking.py, ``input.chunking``) and one vector per chunk [C, D]
+        float32, documents in input order, chunks in text order; each chunk's vector is that of its text."""
+        if self.chunker is None:
+            raise ValueError("embed_chunks needs input.chunking.mode split or late")
+        counters = counters if counters is not None else Counters()
+        if self.late is not None:
+            chunks, vectors = self.late(texts, counters)
+            counters.rows += len(chunks)
+            counters.add_documents(chunks.per_document_of(len(texts)))
+            return chunks, vectors
+        plans: list[Chunks] = []
+
+        def tokenize(window: list[str]):  # prefetch thread
+            docs, chunks = self.chunker(window)
+            plans.append(chunks)
+            return self.chunker.framed(docs, chunks)
+
+        vectors = self._encode(texts, counters, tokenize)
+        chunks = concat_chunks(plans, offsets=range(0, len(texts), self.batching.sort_window))
+        counters.rows += len(chunks)
+        counters.add_documents(chunks.per_document_of(len(texts)))
+        return chunks, (np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32))
+
+    def _encode(self, texts: list[str], counters: Counters, tokenize, *,
+                prepared: list[Window] | None = None) -> list[np.ndarray]:
+        """The vectors of each sort window of ``texts``: ``tokenize(window) -> Tokenized`` (one sequence per
+        output row) on the prefetch thread (or ``prepared``: the windows tokenized already), then pack, encode
+        and pool."""
+        outs: list[np.ndarray] = []
+        pending: deque = deque()  # (out, rows, LazyResult), oldest first
 
         def collect(force: bool) -> None:
-            while pending and (force or pending[0][1].done()):
-                rows, result = pending.popleft()
+            while pending and (force or pending[0][2].done()):
+                out, rows, result = pending.popleft()
                 out[rows] = result.get().numpy()
                 counters.padded_tokens += result.computed_tokens
 
         starts = range(0, len(texts), self.batching.sort_window)
         source = (contextlib.nullcontext(prepared) if prepared is not None
-                  else Prefetcher(starts, lambda start: self._window(texts, start, counters)))
+                  else Prefetcher(starts, lambda start: self._window(texts, start, counters, tokenize)))
         with counters.time("encode"), source as ready:
-            for start, tok, batches in ready:
+            for _start, tok, batches in ready:
+                outs.append(np.empty((len(tok.lengths), self.dim), dtype=np.float32))
                 for batch in batches:
-                    pending.append((batch.rows + start, self.runner.submit(batch)))
+                    pending.append((outs[-1], batch.rows, self.runner.submit(batch)))
                     collect(force=False)
                 counters.tokens += int(tok.lengths.sum())
                 counters.tokens_squared += int((tok.lengths.astype(np.int64) ** 2).sum())
                 counters.truncated_rows += int(tok.truncated.sum())
             collect(force=True)
-        counters.rows += len(texts)
-        return out
+        return outs

@@ -22,6 +22,16 @@ class Tokenized:
         return np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
 
 
+@dataclass
+class DocumentTokens:
+    """One document tokenized once, without special tokens or the prompt (the chunker's input)."""
+
+    ids: np.ndarray  # [n] int64
+    starts: np.ndarray  # [n] int64 character offset of each token in the original text
+    ends: np.ndarray  # [n] int64 character offset just past each token
+    word_start: np.ndarray  # [n] bool: the token begins a pre-token (a text span starting here tokenizes alike)
+
+
 class TextTokenizer:
     """Built once from a model directory's ``tokenizer.json``; called per list of texts.
 
@@ -45,6 +55,37 @@ class TextTokenizer:
             self.tokenizer.normalizer = Sequence([Lowercase(), *([own] if own is not None else [])])
         self.max_seq_len, self.lower_case, self.prompt = max_seq_len, lower_case, prompt
         self.prompt_length = self._prompt_length(prompt)
+        self._documents = Tokenizer.from_str(self.tokenizer.to_str())  # the same normalizers, never truncated
+        self._documents.no_truncation()
+        self.prefix, self.suffix = self._specials()
+        self.prompt_ids = np.asarray(self._documents.encode(prompt, add_special_tokens=False).ids if prompt else [],
+                                     dtype=np.int64)
+
+    @property
+    def framing(self) -> int:
+        """Tokens every sequence carries besides its text's: the special tokens and the prompt's."""
+        return len(self.prefix) + len(self.prompt_ids) + len(self.suffix)
+
+    def _specials(self) -> tuple[np.ndarray, np.ndarray]:
+        """The special tokens the post-processor puts before and after a text ([CLS] / [SEP], <s> / </s>, ...)."""
+        inner = self._documents.encode("a", add_special_tokens=False).ids
+        outer = self._documents.encode("a", add_special_tokens=True).ids
+        for i in range(len(outer) - len(inner) + 1):
+            if outer[i:i + len(inner)] == inner:
+                return (np.asarray(outer[:i], dtype=np.int64), np.asarray(outer[i + len(inner):], dtype=np.int64))
+        raise ValueError("the tokenizer's post-processor changes a text's own tokens: chunking cannot frame chunks")
+
+    def documents(self, texts: list[str]) -> list[DocumentTokens]:
+        """Each text tokenized whole, once, with character offsets into the text (no specials, no prompt)."""
+        out = []
+        for e in self._documents.encode_batch(texts, add_special_tokens=False):
+            offsets = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)  # [n, 2]
+            words = np.asarray([-1 if w is None else w for w in e.word_ids], dtype=np.int64)  # [n]
+            word_start = np.ones(len(words), dtype=bool)
+            word_start[1:] = words[1:] != words[:-1]
+            out.append(DocumentTokens(ids=np.asarray(e.ids, dtype=np.int64), starts=offsets[:, 0].copy(),
+                                      ends=offsets[:, 1].copy(), word_start=word_start))
+        return out
 
     def _prompt_length(self, prompt: str) -> int:
         if not prompt:
