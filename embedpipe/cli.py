@@ -25,9 +25,9 @@ Quiet = Annotated[bool, typer.Option("-q", "--quiet", show_default=False, help="
 
 def _version(value: bool) -> None:
     if value:
-        from embedpipe import __version__
+        from embedpipe.io.describe import embedpipe_version
 
-        typer.echo(f"embedpipe {__version__}")
+        typer.echo(f"embedpipe {embedpipe_version()}")
         raise typer.Exit()
 
 
