@@ -25,9 +25,9 @@ Quiet = Annotated[bool, typer.Option("-q", "--quiet", show_default=False, help="
 
 def _version(value: bool) -> None:
     if value:
-        from embedpipe import __version__
+        from importlib.metadata import version  # the installed distribution's (embedpipe/__init__ sits above cli)
 
-        typer.echo(f"embedpipe {__version__}")
+        typer.echo(f"embedpipe {version('embedpipe')}")
         raise typer.Exit()
 
 
