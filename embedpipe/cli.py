@@ -25,7 +25,7 @@ Quiet = Annotated[bool, typer.Option("-q", "--quiet", show_default=False, help="
 
 def _version(value: bool) -> None:
     if value:
-        from embedpipe.io.describe import embedpipe_version
+        from embedpipe.io.describe import embedpipe_version  # one owner (embedpipe/__init__ sits above cli)
 
         typer.echo(f"embedpipe {embedpipe_version()}")
         raise typer.Exit()

@@ -105,7 +105,6 @@ def test_two_workers_share_a_3000_row_single_file_job(tmp_path, quickstart_table
     assert report["units"]["total"] >= 8
     rows = [w["rows"] for w in report["per_worker"]]
     assert len(rows) == 2 and sum(rows) == 3000 and min(rows) > 0
-    print("per-worker rows", rows, "units", report["units"]["total"], "wall", report["wall_seconds"])
     assert max(rows) - min(rows) <= 0.25 * max(rows), rows
     ids = ds.dataset(tmp_path / "out" / "vectors", format="parquet").to_table()["id"].to_pylist()
     assert sorted(ids) == sorted(quickstart_table["id"].to_pylist())  # every row once

@@ -47,6 +47,8 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert float(output_of("one engine")) < 1e-4  # the job's vectors are embed()'s
     assert output_of("np.argsort").count("\n  0.") >= 9  # three hits for each of three queries
     assert "'factory'" in output_of("embedpipe.open_index(") and output_of("agrees with the brute-force") == "True"
+    assert "units embedded again: 0 of" in output_of("embedpipe.open_index(")  # the index joins the first output
+    assert not (tmp_path / "out" / "notebook-index").exists()
     [plot] = [c for c in nb.cells if c.cell_type == "code" and "report.png" in c.source]
     assert any("image/png" in o.get("data", {}) for o in plot.outputs)  # the report plot is shown
     assert (tmp_path / "out" / "notebook" / "report.json").is_file()

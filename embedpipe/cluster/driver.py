@@ -200,6 +200,9 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 log.warning("%d units were cut for %d worker(s), the cluster runs %d: set cluster.workers: %d so "
                             "each worker gets its share", len(plan.units), plan.workers, workers.workers,
                             workers.workers)
+            elif not done and len(todo) < workers.workers:  # a resume with a few units left is expected
+                log.warning("%d of %d workers sit idle: %d unit(s) to encode", workers.workers - len(todo),
+                            workers.workers, len(todo))
             if incremental is not None and incremental.previous:  # before any worker takes a unit
                 incremental, diff = _diff_night(job, todo, incremental)
             model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray

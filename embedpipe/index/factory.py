@@ -33,6 +33,7 @@ _REFINE = re.compile(r"(?:RFlat|Refine\((?P<code>[A-Za-z0-9]+)\))$")
 SQ_BITS = {"SQ4": 4, "SQ6": 6, "SQ8": 8, "SQfp16": 16, "SQbf16": 16, "Flat": 32}
 IDMAP2_BYTES = 48  # per vector: the id (8) and IndexIDMap2's reverse hash map entry (~40)
 IVF_ID_BYTES = 8  # per vector: the id stored beside the code in the inverted list
+HEADER_BYTES = 4096  # an index's headers and small tables
 
 
 class FactoryError(BadJob, ValueError):
@@ -106,15 +107,18 @@ class IndexSpec:
         """What the built index takes in memory (and about what it takes on disk)."""
         d = self.stored_dim(dim)
         per_vector = self.code_bytes(dim)
-        fixed = 1 << 20
+        fixed = HEADER_BYTES  # what the index itself holds, no allowance: a small budget can take SQ6 or SQ4
         if self.transform:
-            fixed += 4 * dim * d
+            fixed += 4 * dim * d + 4 * d  # the matrix and its bias
         if self.pq_m:
             fixed += 4 * d * 2 ** self.pq_bits
+        for code, width in ((self.code, d), (self.refine, dim)):
+            if code.startswith("SQ") and code not in ("SQfp16", "SQbf16"):
+                fixed += 2 * 4 * width  # the trained range: a minimum and a width per dimension
         if self.kind == "ivf":
             per_vector += IVF_ID_BYTES
             fixed += 4 * d * self.nlist + (8 * self.coarse_hnsw + 12) * self.nlist * (self.coarse_hnsw > 0)
-            fixed += 24 * self.nlist  # one std::vector pair per list
+            fixed += 48 * self.nlist  # one std::vector of codes and one of ids per list
         if self.hnsw_m:
             per_vector += 8 * self.hnsw_m + 12  # level-0 links (2M ints) and the level tables
         if not self.sharded:

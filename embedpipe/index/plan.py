@@ -7,7 +7,11 @@ with the field to fix. ``auto`` rules (docs/index.md):
 2. ``HNSW32`` while it fits the budget;
 3. ``IVF{nlist},Flat`` while it fits (nlist about 4*sqrt(rows), a power of two, >= 39 rows per list);
 4. compressed IVF, the largest code that fits: ``SQfp16``, ``SQ8``, ``SQ6``, ``SQ4``, then
-   ``OPQ{M}_{d},IVF{nlist},PQ{M}`` with the largest M that fits.
+   ``OPQ{M}_{d},IVF{nlist},PQ{M}`` with the largest M that fits, only when it trains on at least
+   ``PQ_MIN_TRAIN_ROWS`` vectors (``cheap_to_train``).
+
+Sizes are what the index holds (``IndexSpec.memory_bytes``: codes, ids, centroids, trained tables),
+with no allowance on top, so a small budget gets the SQ6 or SQ4 index that fits it.
 
 The build measures the chosen index and tunes its search to ``output.target_recall``; when it
 misses, uncompressed indexes of another kind that also fit are tried (docs/index.md says why
@@ -29,6 +33,7 @@ HNSW_M = 32
 QUERIES = 1_000  # hold-out queries for the recall measurement
 GB = 1e9
 AUTO_TRIES = 3
+PQ_MIN_TRAIN_ROWS = 10_000  # auto: PQ/OPQ only with this many training vectors (cheap_to_train)
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,25 @@ class IndexPlan:
         return spec.memory_bytes(self.rows, self.dim) > self.budget_bytes
 
     def train_rows(self, spec: IndexSpec) -> int:
-        """Uniform sample size: up to 256 rows per centroid, at most half the budget as float32,
-        never below 39 per centroid (FAISS's minimum for a useful k-means)."""
-        want = spec.training_rows(self.rows)
-        cap = max(int(self.budget_bytes / 2 / (4 * self.dim)), 39 * spec.train_centroids)
-        return min(want, cap, self.rows)
+        return train_rows(spec, rows=self.rows, dim=self.dim, budget_bytes=self.budget_bytes)
+
+
+def train_rows(spec: IndexSpec, *, rows: int, dim: int, budget_bytes: int) -> int:
+    """Uniform sample size: up to 256 rows per centroid, at most half the budget as float32,
+    never below 39 per centroid (FAISS's minimum for a useful k-means)."""
+    want = spec.training_rows(rows)
+    cap = max(int(budget_bytes / 2 / (4 * dim)), 39 * spec.train_centroids)
+    return min(want, cap, rows)
+
+
+def cheap_to_train(spec: IndexSpec, *, rows: int, dim: int, budget_bytes: int) -> bool:
+    """auto takes PQ codes and OPQ rotations only with at least ``PQ_MIN_TRAIN_ROWS`` training vectors: below
+    that their k-means see a few points per centroid (recall drops under SQ4's) and OPQ's iterations cost
+    minutes for a corpus that encodes in seconds. FAISS caps what they train on (OPQ 65,536 points, PQ 256
+    per centroid), so their training stays small beside the corpus above it."""
+    if not (spec.pq_m or spec.opq_m):
+        return True
+    return train_rows(spec, rows=rows, dim=dim, budget_bytes=budget_bytes) >= PQ_MIN_TRAIN_ROWS
 
 
 def plan_index(job: JobSpec, *, rows: int, model: ModelFacts) -> IndexPlan:
@@ -79,7 +98,8 @@ def plan_index(job: JobSpec, *, rows: int, model: ModelFacts) -> IndexPlan:
         raise JobError("input.path", f"holds {rows} row(s); an index needs at least 2",
                        "add rows or set output.format: parquet")
     if out.index == "auto":
-        ladder = auto_ladder(rows, model.dim)
+        ladder = [s for s in auto_ladder(rows, model.dim)
+                  if cheap_to_train(s, rows=rows, dim=model.dim, budget_bytes=budget)]
         fitting = [s for s in ladder if s.memory_bytes(rows, model.dim) <= budget]
         if not fitting:
             smallest = min(ladder, key=lambda s: s.memory_bytes(rows, model.dim))
