@@ -13,6 +13,7 @@ peak memory is their own.
     .venv/bin/python scripts/scale_check.py --rows 100000 1000000 3000000
     .venv/bin/python scripts/scale_check.py --rows 1000000 --ids ordered
     .venv/bin/python scripts/scale_check.py --plan-files 10000     # planning alone, 10^4 small files
+    .venv/bin/python scripts/scale_check.py --compare-lookups --rows 100000 300000   # per-unit scan vs diff
 
 Prints one Markdown table row per size (docs/performance.md, "Nightly at scale").
 """
@@ -206,6 +207,56 @@ def plan_many_files(files: int, *, work: Path) -> dict:
     return {"files": files, "units": len(units), "plan_s": round(time.perf_counter() - started, 2)}
 
 
+def compare_lookups(rows: int, *, files: int, kind: str, work: Path, pool: np.ndarray, churns: dict,
+                    scan: bool) -> dict:
+    """In this process, no Ray, no model: a previous version's parts written directly (one per unit, width 32),
+    tonight's churned corpus, and every unit's lookup done two ways: the per-unit scan of every part
+    (``PreviousVectors.lookup``, before the diff) and the diff (``diff_locally``) then ``lookup_unit``."""
+    from embedpipe.io.diff import diff_locally, unit_key
+    from embedpipe.io.formats import UnitReader
+    from embedpipe.io.reuse import PreviousVectors, content_hashes
+    from embedpipe.units import plan_units
+
+    rng, salt = np.random.default_rng(rows), b"s" * 32
+    ids = make_ids(rows, kind=kind, rng=rng)
+    texts = pool[rng.integers(0, len(pool), rows)]
+    file_of = np.arange(rows) // -(-rows // files)
+    data, vectors = work / f"cmp-{rows}-{kind}", work / f"cmp-{rows}-{kind}-vectors"
+    write_corpus(data, ids, texts, file_of, files=files, row_groups=1)
+    vectors.mkdir()
+    units = plan_units(sorted(str(p) for p in data.glob("*.parquet")), unit_rows=rows)
+    reader = UnitReader(text_column="text", id_column="id")
+    parts, previous = [], {}
+    for unit in units:
+        table = reader.columns(unit, ["id", "text"])
+        flat = pa.array(rng.standard_normal(table.num_rows * 32).astype(np.float32))
+        parts.append(str(vectors / f"part-{unit.id}.parquet"))
+        pq.write_table(pa.table({"id": table["id"], "embedding": pa.FixedSizeListArray.from_arrays(flat, 32),
+                                 "content_hash": content_hashes(table["text"].to_pylist(), salt=salt)}), parts[-1])
+        previous[unit_key(unit.file, unit.id)] = len(parts) - 1
+    (ids, texts, file_of), _ = churn(ids, texts, file_of, files=files, kind=kind, pool=pool, rng=rng, **churns)
+    write_corpus(data, ids, texts, file_of, files=files, row_groups=1)
+    units = plan_units(sorted(str(p) for p in data.glob("*.parquet")), unit_rows=rows)
+    batches = [reader(u) for u in units]
+    hashes = [content_hashes(b.texts, salt=salt) for b in batches]
+    lookup = PreviousVectors(vectors, parts=tuple(parts))
+    out = {"rows": rows, "files": files, "ids": kind}
+    started = time.perf_counter()
+    diff = diff_locally(units, parts=tuple(parts), previous=previous, id_column="id", reader=reader, threads=2)
+    out["diff_s"] = round(time.perf_counter() - started, 2)
+    reused = sum(int(lookup.lookup_unit(b.ids, h, same_part=diff.same_part.get(u.id),
+                                        moved=diff.moved.get(u.id))[0].sum()) for u, b, h in zip(units, batches, hashes))
+    out["diff_and_lookups_s"] = round(time.perf_counter() - started, 2)
+    out["reused"] = reused
+    if scan:
+        started = time.perf_counter()
+        assert sum(int(lookup.lookup(b.ids, h)[0].sum()) for b, h in zip(batches, hashes)) == reused
+        out["per_unit_scan_s"] = round(time.perf_counter() - started, 2)
+    shutil.rmtree(data)
+    shutil.rmtree(vectors)
+    return out
+
+
 def table_row(r: dict) -> str:
     d = r["diff"]
     per_row_us = 1e6 * d["seconds"] / max(d["looked_up"], 1)
@@ -232,6 +283,9 @@ def main() -> None:
     parser.add_argument("--added", type=float, default=0.005)
     parser.add_argument("--moved", type=float, default=0.001, help="rows moved to another file")
     parser.add_argument("--plan-files", type=int, default=0, help="also time planning this many small files")
+    parser.add_argument("--compare-lookups", action="store_true",
+                        help="instead: each size's lookups in process, per-unit scan vs diff (no Ray, no model)")
+    parser.add_argument("--no-scan", action="store_true", help="with --compare-lookups: skip the per-unit scan")
     parser.add_argument("--json", type=Path, help="append each size's figures to this JSON-lines file")
     parser.add_argument("--phase", choices=["plan", "preflight"], help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
@@ -246,6 +300,12 @@ def main() -> None:
         if args.plan_files:
             print(plan_many_files(args.plan_files, work=work), flush=True)
         if not args.rows:
+            return
+        if args.compare_lookups:
+            pool = real_texts()
+            for rows in args.rows:
+                print(compare_lookups(rows, files=args.files or max(10, rows // 3000), kind=args.ids, work=work,
+                                      pool=pool, churns=churns, scan=not args.no_scan), flush=True)
             return
         model, pool = tiny_model(work / "model"), real_texts()
         print(HEADER, flush=True)
