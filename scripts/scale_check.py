@@ -244,8 +244,11 @@ def compare_lookups(rows: int, *, files: int, kind: str, work: Path, pool: np.nd
     started = time.perf_counter()
     diff = diff_locally(units, parts=tuple(parts), previous=previous, id_column="id", reader=reader, threads=2)
     out["diff_s"] = round(time.perf_counter() - started, 2)
-    reused = sum(int(lookup.lookup_unit(b.ids, h, same_part=diff.same_part.get(u.id),
-                                        moved=diff.moved.get(u.id))[0].sum()) for u, b, h in zip(units, batches, hashes))
+    reused = 0
+    for unit, batch, h in zip(units, batches, hashes):
+        reuse, _, _ = lookup.lookup_unit(batch.ids, h, same_part=diff.same_part.get(unit.id),
+                                         moved=diff.moved.get(unit.id))
+        reused += int(reuse.sum())
     out["diff_and_lookups_s"] = round(time.perf_counter() - started, 2)
     out["reused"] = reused
     if scan:
@@ -255,6 +258,21 @@ def compare_lookups(rows: int, *, files: int, kind: str, work: Path, pool: np.nd
     shutil.rmtree(data)
     shutil.rmtree(vectors)
     return out
+
+
+def check_planning(launch: Launcher, rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
+                   pool: np.ndarray) -> dict:
+    """Plan and preflight alone (no run): the corpus, then each phase in a fresh process."""
+    rng = np.random.default_rng(rows)
+    data = work / f"plan-{rows}-{kind}"
+    write_corpus(data, make_ids(rows, kind=kind, rng=rng), pool[rng.integers(0, len(pool), rows)],
+                 np.arange(rows) // -(-rows // files), files=files, row_groups=row_groups)
+    job = job_file(work / f"plan-{rows}.yaml", data=data, out=work / f"plan-out-{rows}", model=model,
+                   unit_rows=-(-rows // files))
+    plan, pre = phase(launch, "plan", job), phase(launch, "preflight", job)
+    shutil.rmtree(data)
+    return {"rows": rows, "files": files, "ids": kind, "units": plan["units"], "plan_s": plan["seconds"],
+            "plan_mb": plan["peak_mb"], "preflight_s": pre["seconds"], "preflight_mb": pre["peak_mb"]}
 
 
 def table_row(r: dict) -> str:
@@ -285,6 +303,7 @@ def main() -> None:
     parser.add_argument("--plan-files", type=int, default=0, help="also time planning this many small files")
     parser.add_argument("--compare-lookups", action="store_true",
                         help="instead: each size's lookups in process, per-unit scan vs diff (no Ray, no model)")
+    parser.add_argument("--planning-only", action="store_true", help="instead: plan and preflight alone")
     parser.add_argument("--no-scan", action="store_true", help="with --compare-lookups: skip the per-unit scan")
     parser.add_argument("--json", type=Path, help="append each size's figures to this JSON-lines file")
     parser.add_argument("--phase", choices=["plan", "preflight"], help=argparse.SUPPRESS)
@@ -308,6 +327,12 @@ def main() -> None:
                                       pool=pool, churns=churns, scan=not args.no_scan), flush=True)
             return
         model, pool = tiny_model(work / "model"), real_texts()
+        if args.planning_only:
+            for rows in args.rows:
+                files = args.files or max(10, rows // 3000)
+                print(check_planning(launch, rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
+                                     model=model, pool=pool), flush=True)
+            return
         print(HEADER, flush=True)
         for rows in args.rows:
             files = args.files or max(10, rows // 3000)
