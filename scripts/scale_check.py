@@ -1,8 +1,8 @@
 """Nightly reindex at scale: plan, preflight, resume with nothing to do, and the incremental diff, timed.
 
 For each size: a synthetic corpus of real text (WordNet glosses and kernel-docs paragraphs from
-../shared/data, else the quickstart corpus) with random UUID ids (``--ids ordered``: zero-padded
-sequential ones), in ``--files`` files of ``--row-groups`` row groups each; night 1 through the real CLI
+../shared/data, else the quickstart corpus) with random UUID ids (``--ids ordered``: sequential ones
+of the same 36 characters), in ``--files`` files of ``--row-groups`` row groups each; night 1 through the real CLI
 on an embedded local Ray with a tiny random BERT (MiniLM's tokenizer, width 32, 32 tokens: encoding is not
 what is measured); a churn (changed, deleted, added and moved-to-another-file rows); night 2 (the
 incremental night: its report's ``incremental.diff``); then a resume with nothing to do (night 2's
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +48,8 @@ def real_texts() -> np.ndarray:
 
 
 def make_ids(n: int, *, kind: str, rng: np.random.Generator, start: int = 0) -> np.ndarray:
-    if kind == "ordered":
-        return np.array([f"doc-{i:012d}" for i in range(start, start + n)], dtype=object)
+    if kind == "ordered":  # the same 36 characters as a UUID, in order: only the order differs
+        return np.array([str(uuid.UUID(int=i)) for i in range(start, start + n)], dtype=object)
     raw = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
     raw[:, 6] = (raw[:, 6] & 0x0F) | 0x40  # version 4
     raw[:, 8] = (raw[:, 8] & 0x3F) | 0x80  # variant
