@@ -1,8 +1,8 @@
 """Nightly reindex at scale: plan, preflight, resume with nothing to do, and the incremental diff, timed.
 
 For each size: a synthetic corpus of real text (WordNet glosses and kernel-docs paragraphs from
-../shared/data, else the quickstart corpus) with random UUID ids (``--ids ordered``: zero-padded
-sequential ones), in ``--files`` files of ``--row-groups`` row groups each; night 1 through the real CLI
+../shared/data, else the quickstart corpus) with random UUID ids (``--ids ordered``: sequential ones
+of the same 36 characters), in ``--files`` files of ``--row-groups`` row groups each; night 1 through the real CLI
 on an embedded local Ray with a tiny random BERT (MiniLM's tokenizer, width 32, 32 tokens: encoding is not
 what is measured); a churn (changed, deleted, added and moved-to-another-file rows); night 2 (the
 incremental night: its report's ``incremental.diff``); then a resume with nothing to do (night 2's
@@ -13,6 +13,7 @@ peak memory is their own.
     .venv/bin/python scripts/scale_check.py --rows 100000 1000000 3000000
     .venv/bin/python scripts/scale_check.py --rows 1000000 --ids ordered
     .venv/bin/python scripts/scale_check.py --plan-files 10000     # planning alone, 10^4 small files
+    .venv/bin/python scripts/scale_check.py --compare-lookups --rows 100000 300000   # per-unit scan vs diff
 
 Prints one Markdown table row per size (docs/performance.md, "Nightly at scale").
 """
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +48,8 @@ def real_texts() -> np.ndarray:
 
 
 def make_ids(n: int, *, kind: str, rng: np.random.Generator, start: int = 0) -> np.ndarray:
-    if kind == "ordered":
-        return np.array([f"doc-{i:012d}" for i in range(start, start + n)], dtype=object)
+    if kind == "ordered":  # the same 36 characters as a UUID, in order: only the order differs
+        return np.array([str(uuid.UUID(int=i)) for i in range(start, start + n)], dtype=object)
     raw = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
     raw[:, 6] = (raw[:, 6] & 0x0F) | 0x40  # version 4
     raw[:, 8] = (raw[:, 8] & 0x3F) | 0x80  # variant
@@ -206,6 +208,74 @@ def plan_many_files(files: int, *, work: Path) -> dict:
     return {"files": files, "units": len(units), "plan_s": round(time.perf_counter() - started, 2)}
 
 
+def compare_lookups(rows: int, *, files: int, kind: str, work: Path, pool: np.ndarray, churns: dict,
+                    scan: bool) -> dict:
+    """In this process, no Ray, no model: a previous version's parts written directly (one per unit, width 32),
+    tonight's churned corpus, and every unit's lookup done two ways: the per-unit scan of every part
+    (``PreviousVectors.lookup``, before the diff) and the diff (``diff_locally``) then ``lookup_unit``."""
+    from embedpipe.io.diff import diff_locally, unit_key
+    from embedpipe.io.formats import UnitReader
+    from embedpipe.io.reuse import PreviousVectors, content_hashes
+    from embedpipe.units import plan_units
+
+    rng, salt = np.random.default_rng(rows), b"s" * 32
+    ids = make_ids(rows, kind=kind, rng=rng)
+    texts = pool[rng.integers(0, len(pool), rows)]
+    file_of = np.arange(rows) // -(-rows // files)
+    data, vectors = work / f"cmp-{rows}-{kind}", work / f"cmp-{rows}-{kind}-vectors"
+    write_corpus(data, ids, texts, file_of, files=files, row_groups=1)
+    vectors.mkdir()
+    units = plan_units(sorted(str(p) for p in data.glob("*.parquet")), unit_rows=rows)
+    reader = UnitReader(text_column="text", id_column="id")
+    parts, previous = [], {}
+    for unit in units:
+        table = reader.columns(unit, ["id", "text"])
+        flat = pa.array(rng.standard_normal(table.num_rows * 32).astype(np.float32))
+        parts.append(str(vectors / f"part-{unit.id}.parquet"))
+        pq.write_table(pa.table({"id": table["id"], "embedding": pa.FixedSizeListArray.from_arrays(flat, 32),
+                                 "content_hash": content_hashes(table["text"].to_pylist(), salt=salt)}), parts[-1])
+        previous[unit_key(unit.file, unit.id)] = len(parts) - 1
+    (ids, texts, file_of), _ = churn(ids, texts, file_of, files=files, kind=kind, pool=pool, rng=rng, **churns)
+    write_corpus(data, ids, texts, file_of, files=files, row_groups=1)
+    units = plan_units(sorted(str(p) for p in data.glob("*.parquet")), unit_rows=rows)
+    batches = [reader(u) for u in units]
+    hashes = [content_hashes(b.texts, salt=salt) for b in batches]
+    lookup = PreviousVectors(vectors, parts=tuple(parts))
+    out = {"rows": rows, "files": files, "ids": kind}
+    started = time.perf_counter()
+    diff = diff_locally(units, parts=tuple(parts), previous=previous, id_column="id", reader=reader, threads=2)
+    out["diff_s"] = round(time.perf_counter() - started, 2)
+    reused = 0
+    for unit, batch, h in zip(units, batches, hashes):
+        reuse, _, _ = lookup.lookup_unit(batch.ids, h, same_part=diff.same_part.get(unit.id),
+                                         moved=diff.moved.get(unit.id))
+        reused += int(reuse.sum())
+    out["diff_and_lookups_s"] = round(time.perf_counter() - started, 2)
+    out["reused"] = reused
+    if scan:
+        started = time.perf_counter()
+        assert sum(int(lookup.lookup(b.ids, h)[0].sum()) for b, h in zip(batches, hashes)) == reused
+        out["per_unit_scan_s"] = round(time.perf_counter() - started, 2)
+    shutil.rmtree(data)
+    shutil.rmtree(vectors)
+    return out
+
+
+def check_planning(launch: Launcher, rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
+                   pool: np.ndarray) -> dict:
+    """Plan and preflight alone (no run): the corpus, then each phase in a fresh process."""
+    rng = np.random.default_rng(rows)
+    data = work / f"plan-{rows}-{kind}"
+    write_corpus(data, make_ids(rows, kind=kind, rng=rng), pool[rng.integers(0, len(pool), rows)],
+                 np.arange(rows) // -(-rows // files), files=files, row_groups=row_groups)
+    job = job_file(work / f"plan-{rows}.yaml", data=data, out=work / f"plan-out-{rows}", model=model,
+                   unit_rows=-(-rows // files))
+    plan, pre = phase(launch, "plan", job), phase(launch, "preflight", job)
+    shutil.rmtree(data)
+    return {"rows": rows, "files": files, "ids": kind, "units": plan["units"], "plan_s": plan["seconds"],
+            "plan_mb": plan["peak_mb"], "preflight_s": pre["seconds"], "preflight_mb": pre["peak_mb"]}
+
+
 def table_row(r: dict) -> str:
     d = r["diff"]
     per_row_us = 1e6 * d["seconds"] / max(d["looked_up"], 1)
@@ -232,6 +302,10 @@ def main() -> None:
     parser.add_argument("--added", type=float, default=0.005)
     parser.add_argument("--moved", type=float, default=0.001, help="rows moved to another file")
     parser.add_argument("--plan-files", type=int, default=0, help="also time planning this many small files")
+    parser.add_argument("--compare-lookups", action="store_true",
+                        help="instead: each size's lookups in process, per-unit scan vs diff (no Ray, no model)")
+    parser.add_argument("--planning-only", action="store_true", help="instead: plan and preflight alone")
+    parser.add_argument("--no-scan", action="store_true", help="with --compare-lookups: skip the per-unit scan")
     parser.add_argument("--json", type=Path, help="append each size's figures to this JSON-lines file")
     parser.add_argument("--phase", choices=["plan", "preflight"], help=argparse.SUPPRESS)
     parser.add_argument("--job", type=Path, help=argparse.SUPPRESS)
@@ -247,7 +321,19 @@ def main() -> None:
             print(plan_many_files(args.plan_files, work=work), flush=True)
         if not args.rows:
             return
+        if args.compare_lookups:
+            pool = real_texts()
+            for rows in args.rows:
+                print(compare_lookups(rows, files=args.files or max(10, rows // 3000), kind=args.ids, work=work,
+                                      pool=pool, churns=churns, scan=not args.no_scan), flush=True)
+            return
         model, pool = tiny_model(work / "model"), real_texts()
+        if args.planning_only:
+            for rows in args.rows:
+                files = args.files or max(10, rows // 3000)
+                print(check_planning(launch, rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
+                                     model=model, pool=pool), flush=True)
+            return
         print(HEADER, flush=True)
         for rows in args.rows:
             files = args.files or max(10, rows // 3000)

@@ -68,7 +68,7 @@ def _write_previous(store: str, ids: list, texts: list[str], *, rows_per_part: i
                           "content_hash": hashes[start:end]})
         parts.append(f"{store}/vectors/part-{start:05d}.parquet")
         with fsspec.open(parts[-1], "wb") as f:
-            pq.write_table(table, f)
+            pq.write_table(table, f, row_group_size=8)  # moved rows are read by their row groups
     return tuple(parts), {p: i for i, p in enumerate(parts)}
 
 

@@ -119,34 +119,35 @@ def map_units(tasks: list[UnitTask], *, parts: tuple[str, ...], id_column: str, 
             continue
         before = read_part_ids(parts[task.same_part])
         stats.parts_read += 1
-        found = pc.is_in(tonight, value_set=before)
+        found = pc.is_in(tonight, value_set=before["id"])
         stats.same_unit += pc.sum(found).as_py() or 0
         pieces.append(_side(pc.filter(tonight, pc.invert(found)), unit=task.index))
-        gone = pc.invert(pc.is_in(before, value_set=tonight))
-        pieces.append(_side(pc.filter(before, gone), part=task.same_part))
+        gone = pc.invert(pc.is_in(before["id"], value_set=tonight))
+        pieces.append(_side(pc.filter(before["id"], gone), part=task.same_part, row=pc.filter(before["row"], gone)))
     return _peak(stats), _partition(pieces, buckets)
 
 
 def map_parts(indexes: list[int], *, parts: tuple[str, ...], buckets: int) -> tuple[DiffStats, list[pa.Table]]:
     """Previous parts no unit of tonight claims: all their ids go to the join."""
-    pieces = [_side(read_part_ids(parts[i]), part=i) for i in indexes]
+    pieces = [_side(t["id"], part=i, row=t["row"]) for i in indexes for t in [read_part_ids(parts[i])]]
     return _peak(DiffStats(parts_read=len(indexes))), _partition(pieces, buckets)
 
 
 def join_bucket(*pieces: pa.Table) -> pa.Table:
-    """One bucket: tonight's leftover ids joined with the previous leftovers; (unit, id, part) of each match."""
+    """One bucket: tonight's leftover ids joined with the previous leftovers; (unit, id, part, row) of each
+    match (``row``: its position in that part)."""
     table = pa.concat_tables([p for p in pieces if p.num_rows]) if any(p.num_rows for p in pieces) else None
     if table is None:
         return _empty()
     tonight = table.filter(pc.field("unit") >= 0).select(["id", "unit"])
-    before = table.filter(pc.field("part") >= 0).select(["id", "part"])
+    before = table.filter(pc.field("part") >= 0).select(["id", "part", "row"])
     if not tonight.num_rows or not before.num_rows:
         return _empty(table.schema.field("id").type)
-    return tonight.join(before, keys="id", join_type="inner").select(["unit", "id", "part"])
+    return tonight.join(before, keys="id", join_type="inner").select(["unit", "id", "part", "row"])
 
 
 def group_moved(matches: list[pa.Table], units: list[Unit]) -> dict[str, pa.Table]:
-    """The join's matches, one small (id, part) table per unit that has any."""
+    """The join's matches, one small (id, part, row) table per unit that has any."""
     matches = [m for m in matches if m.num_rows]
     if not matches:
         return {}
@@ -154,7 +155,8 @@ def group_moved(matches: list[pa.Table], units: list[Unit]) -> dict[str, pa.Tabl
     unit = table["unit"].to_numpy()
     starts = np.flatnonzero(np.r_[True, unit[1:] != unit[:-1]])
     ends = np.r_[starts[1:], len(unit)]
-    return {units[int(unit[s])].id: table.slice(s, e - s).select(["id", "part"]) for s, e in zip(starts, ends)}
+    return {units[int(unit[s])].id: table.slice(s, e - s).select(["id", "part", "row"])
+            for s, e in zip(starts, ends)}
 
 
 def diff_locally(units: list[Unit], *, parts: tuple[str, ...], previous: dict[tuple[str, str], int],
@@ -184,10 +186,13 @@ def night_diff(units: list[Unit], tasks: list[UnitTask], *, parts: tuple[str, ..
                      moved=group_moved(matches, units), stats=total)
 
 
-def read_part_ids(path: str) -> pa.Array:
-    """A previous part's id column (one read of one column)."""
-    table = pq.read_table(fs.arrow_source(path), columns=["id"])
-    return _valid(table.column(0))
+def read_part_ids(path: str) -> pa.Table:
+    """A previous part's ids and their rows in the part (one read of one column)."""
+    ids = pq.read_table(fs.arrow_source(path), columns=["id"]).column(0).combine_chunks()
+    rows = pa.array(np.arange(len(ids), dtype=np.int32))
+    if ids.null_count:
+        rows, ids = pc.filter(rows, ids.is_valid()), pc.drop_null(ids)
+    return pa.table({"id": ids, "row": rows})
 
 
 def bucket_of(ids: pa.Array, buckets: int) -> np.ndarray:
@@ -228,10 +233,11 @@ def _valid(ids: pa.ChunkedArray | pa.Array) -> pa.Array:
     return pc.drop_null(ids) if ids.null_count else ids
 
 
-def _side(ids: pa.Array, *, unit: int = -1, part: int = -1) -> pa.Table:
+def _side(ids: pa.Array, *, unit: int = -1, part: int = -1, row: pa.Array | None = None) -> pa.Table:
     n = len(ids)
     return pa.table({"id": ids, "unit": pa.array(np.full(n, unit, np.int32)),
-                     "part": pa.array(np.full(n, part, np.int32))})
+                     "part": pa.array(np.full(n, part, np.int32)),
+                     "row": row if row is not None else pa.array(np.full(n, -1, np.int32))})
 
 
 def _partition(pieces: list[pa.Table], buckets: int) -> list[pa.Table]:
@@ -248,4 +254,4 @@ def _partition(pieces: list[pa.Table], buckets: int) -> list[pa.Table]:
 
 
 def _empty(id_type: pa.DataType = pa.null()) -> pa.Table:
-    return pa.table({"id": pa.array([], id_type), "unit": pa.array([], pa.int32()), "part": pa.array([], pa.int32())})
+    return pa.table({"id": pa.array([], id_type), **{c: pa.array([], pa.int32()) for c in ("unit", "part", "row")}})

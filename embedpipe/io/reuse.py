@@ -95,18 +95,30 @@ def stored_rows(part: pa.Table) -> np.ndarray:
     def lookup_unit(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,
                     moved: pa.Table | None) -> tuple[np.ndarray, np.ndarray, int]:
         """``lookup``'s answer for one unit from the night's diff: ``same_part`` (the index of the previous part
-        of the same unit, read whole) and ``moved`` (id, part index: rows found in other parts, read there
-        by id). No other part is opened."""
+        of the same unit, read whole) and ``moved`` (id, part index, row in it: rows found in other parts,
+        of which only the row groups holding them are read). No other part is opened."""
         found = []
         if same_part is not None:
             found.append(pq.read_table(self.files[same_part], columns=["id", "content_hash", "embedding"],
                                        filesystem=self.filesystem))
         if moved is not None and moved.num_rows:
             for part in np.unique(moved["part"].to_numpy()):
-                wanted = pc.filter(moved["id"], pc.equal(moved["part"], int(part)))
-                found.append(pq.read_table(self.files[int(part)], columns=["id", "content_hash", "embedding"],
-                                           filters=pc.field("id").isin(wanted), filesystem=self.filesystem))
+                rows = pc.filter(moved["row"], pc.equal(moved["part"], int(part))).to_numpy()
+                found.append(self._rows(int(part), rows))
         return _match(ids, hashes, found)
+
+    def _rows(self, part: int, rows: np.ndarray) -> pa.Table:
+        """These rows of one part (positions in it): only the row groups that hold them are read."""
+        source = self.files[part] if self.filesystem is None else self.filesystem.open_input_file(self.files[part])
+        with pq.ParquetFile(source) as pf:
+            sizes = np.array([pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
+            starts = np.concatenate([[0], np.cumsum(sizes)])  # [G + 1]
+            groups = np.unique(np.searchsorted(starts, rows, side="right") - 1)
+            table = pf.read_row_groups(groups.tolist(), columns=["id", "content_hash", "embedding"])
+        offsets = np.concatenate([[0], np.cumsum(sizes[groups])])  # where each read group starts in table
+        local = offsets[np.searchsorted(groups, np.searchsorted(starts, rows, side="right") - 1)] \
+            + rows - starts[np.searchsorted(starts, rows, side="right") - 1]
+        return table.take(pa.array(local))
 
 
 def _match(ids: pa.Array, hashes: pa.Array, found: list[pa.Table]) -> tuple[np.ndarray, np.ndarray, int]:
