@@ -114,7 +114,8 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
     from embedpipe.index.search import open_index
 
     with _exit_codes():
-        index = open_index(output_dir, query_prompt=prompt)
+        # one short query: one thread (more only wait on each other; on a shared CPU, seconds: docs/performance.md)
+        index = open_index(output_dir, query_prompt=prompt, threads=1)
         [hits] = index.search([query], k=k)
     found = index.source_texts([i for i, _ in hits], warn=False) if texts else {}
     if index.text_problem and not json_:
