@@ -170,7 +170,8 @@ def search(output_dir: Annotated[str, typer.Argument(help="A job's output.path (
     from embedpipe.index.search import open_index
 
     with _exit_codes():
-        index = open_index(output_dir, query_prompt=prompt)
+        # one short query: one thread (more only wait on each other; on a shared CPU, seconds: docs/performance.md)
+        index = open_index(output_dir, query_prompt=prompt, threads=1)
     if per_document and not index.chunked:
         typer.echo(f"error: --per-document: the index at {output_dir} is not over chunks (input.chunking is off): "
                    f"leave the flag out", err=True)

@@ -64,7 +64,7 @@ class ChunkHit:
 class OpenedIndex:
     """A built index: FAISS index, id map and the encoder settings, opened once, searched many times."""
 
-    def __init__(self, output_path: str | Path, *, query_prompt: str | None = None):
+    def __init__(self, output_path: str | Path, *, query_prompt: str | None = None, threads: int | None = None):
         import faiss
 
         from embedpipe.versions import current_path
@@ -95,6 +95,7 @@ class OpenedIndex:
         # job's own model.prompt is for the documents and is not used for queries)
         self.query_prompt: str = recorded if query_prompt is None else query_prompt
         self.text_problem: str | None = None  # why the last source_texts call found no texts, when it could not read
+        self.threads = threads  # torch intra-op threads of the query encoder (None: torch's default)
         self._encoder = None
 
     @property
@@ -105,7 +106,8 @@ class OpenedIndex:
             job = self.job
             self._encoder = Encoder(model=self._query_model(), batching=job.batching,
                                     output_dim=self.description.dim if self.description else job.output.dim,
-                                    runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"))
+                                    runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"),
+                                    threads=self.threads)
         return self._encoder
 
     def _query_model(self):
@@ -225,7 +227,7 @@ def _units_holding(root, ids: set) -> set[str] | None:
         manifest = Manifest(root)
         for unit_id, record in manifest.done().items():
             for path in manifest.part_paths(record):
-                column = pq.read_table(manifest.store.arrow_source(path), columns=["id"]).column(0)
+                column = pq.ParquetFile(manifest.store.arrow_source(path)).read(columns=["id"]).column(0)
                 if pc.any(pc.is_in(column, value_set=pa.array(list(ids), type=column.type))).as_py():
                     holding.add(unit_id)
     except (OSError, ValueError, TypeError, pa.ArrowException):  # the parts cannot say: every unit is read
@@ -256,10 +258,12 @@ def _is_file(path) -> bool:
     return Path(path).is_file() if store_for(path).local else store_for(path).exists(path)
 
 
-def open_index(output_path: str | Path, *, query_prompt: str | None = None) -> OpenedIndex:
+def open_index(output_path: str | Path, *, query_prompt: str | None = None,
+               threads: int | None = None) -> OpenedIndex:
     """Open the index under ``<output_path>/index`` (or an index directory itself); ``output_path`` may be a URL
     (``s3://bucket/out``): the index files are then read from a local copy in the cache (embedpipe.index.local_copy).
 
     ``query_prompt``: put before every query (e.g. ``"query: "`` for E5 models); None: the model's
-    own ``query`` prompt when its sentence-transformers config names one, else none."""
-    return OpenedIndex(output_path, query_prompt=query_prompt)
+    own ``query`` prompt when its sentence-transformers config names one, else none. ``threads``: torch threads
+    of the query encoder (None: torch's default, all cores; 1 answers a single query fastest on a busy machine)."""
+    return OpenedIndex(output_path, query_prompt=query_prompt, threads=threads)
