@@ -88,8 +88,8 @@ class ChunkingConfig:
                "of at most max_tokens tokens, each chunk encoded on its own (one output row per chunk). late: one "
                "forward pass over the whole document (windows of model.max_seq_len with the overlap when longer), "
                "each chunk's vector pooled from its own tokens of that pass.")
-    max_tokens: int | None = opt(None, "Tokens per chunk, special tokens and the prompt counted; null: model.max_seq_len "
-                                       "(split) or 512 within it (late).")
+    max_tokens: int | None = opt(None, "Tokens per chunk, special tokens and the prompt counted; null: "
+                                       "model.max_seq_len (split) or 512 within it (late).")
     overlap: int = opt(0, "Tokens shared by consecutive chunks of a document (exactly this many).")
     boundary_window: int = opt(32, "Tokens before the limit searched for a cut: a sentence end, else a line break, "
                                    "else whitespace (a cut mid-word only when no whitespace is in the window).")

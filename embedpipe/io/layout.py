@@ -54,7 +54,8 @@ CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
 OWNED = (MANIFEST, VECTORS, DOCUMENT_VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS)
 VERSIONED_OWNED = (CURRENT, VERSIONS)
 # Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
-CLEANED_DIRS = (VECTORS, DOCUMENT_VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX, VERSIONS, RUNS)
+CLEANED_DIRS = (VECTORS, DOCUMENT_VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX,
+                VERSIONS, RUNS)
 # The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
 # A part: part-<unit>.parquet (local), part-<unit>.<attempt>.parquet (object stores: attempt-unique).
 PART_NAME = re.compile(rf"^part-(?P<unit>[\w.-]+?)(\.(?P<attempt>[0-9a-f]{{{ATTEMPT_HEX}}}))?\.parquet$")
