@@ -88,8 +88,8 @@ class ChunkingConfig:
                "of at most max_tokens tokens, each chunk encoded on its own (one output row per chunk). late: one "
                "forward pass over the whole document (windows of model.max_seq_len with the overlap when longer), "
                "each chunk's vector pooled from its own tokens of that pass.")
-    max_tokens: int | None = opt(None, "Tokens per chunk, special tokens and the prompt counted; null: model.max_seq_len "
-                                       "(split) or 512 within it (late).")
+    max_tokens: int | None = opt(None, "Tokens per chunk, special tokens and the prompt counted; null: "
+                                       "model.max_seq_len (split) or 512 within it (late).")
     overlap: int = opt(0, "Tokens shared by consecutive chunks of a document (exactly this many).")
     boundary_window: int = opt(32, "Tokens before the limit searched for a cut: a sentence end, else a line break, "
                                    "else whitespace (a cut mid-word only when no whitespace is in the window).")
@@ -220,6 +220,9 @@ class OutputConfig:
                                         "binary/ubinary pack the bits `x > 0` (dim/8 bytes; binary subtracts 128).")
     calibration_rows: int = opt(10_000, "int8/uint8: rows sampled uniformly (seeded) over the whole input to calibrate the ranges.")
     calibration_seed: int = opt(0, "Seed of the calibration sample.")
+    document_vectors: Literal["none", "mean"] = opt(
+        "none", "input.chunking on: mean also writes one vector per document, the normalised mean of its chunks' "
+                "vectors, to `<path>/document_vectors/` (float32 or float16 outputs).")
 
     def validate(self) -> None:
         _positive(self, "output", "index_memory_gb")
@@ -519,8 +522,21 @@ def parse_job(raw: dict[str, Any], *, name: str = "job", source: str = "job") ->
             raise JobError(str(section), "unknown section", f"use one of {', '.join(SECTIONS)}", source=source)
     sections = {s: _parse_section(s, cls, raw.get(s), source) for s, cls in SECTIONS.items()}
     job = JobSpec(name=str(raw.get("name", name)), **sections)
+    _check_document_vectors(job, source)
     _check_files(job, source)
     return job
+
+
+def _check_document_vectors(job: JobSpec, source: str) -> None:
+    """output.document_vectors needs chunks to average, and float stored vectors to average them from."""
+    if job.output.document_vectors == "none":
+        return
+    if job.input.chunking.mode == "off":
+        raise JobError("output.document_vectors", "needs chunked documents",
+                       "set input.chunking.mode to split or late, or output.document_vectors: none", source=source)
+    if job.output.dtype not in ("float32", "float16"):
+        raise JobError("output.document_vectors", f"needs float vectors, not output.dtype {job.output.dtype!r}",
+                       "set output.dtype to float32 or float16, or output.document_vectors: none", source=source)
 
 
 def job_from_dict(raw: dict[str, Any], *, base: str | os.PathLike = ".", name: str = "job",

@@ -84,3 +84,31 @@ def test_job_reference_doc_matches_schema():
 def test_shipped_job_files_validate():
     for path in [*sorted((ROOT / "jobs").glob("*.yaml")), ROOT / "examples" / "quickstart.yaml"]:
         load_job(path)
+
+
+def test_chunking_is_a_nested_section_off_by_default(tmp_path):
+    job = load_job(_job(tmp_path))
+    assert job.input.chunking.mode == "off" and job.input.chunking.max_tokens is None
+    job = load_job(_job(tmp_path, input={"path": str(QUICKSTART), "chunking": {"mode": "split", "overlap": 16}}),
+                   overrides=["input.chunking.max_tokens=128"])
+    assert (job.input.chunking.mode, job.input.chunking.max_tokens, job.input.chunking.overlap) == ("split", 128, 16)
+    assert job.to_dict()["input"]["chunking"]["max_tokens"] == 128
+
+
+@pytest.mark.parametrize("over, field, words", [
+    ({"input": {"chunking": {"mode": "chunks"}}}, "input.chunking.mode", "not one of off, split, late"),
+    ({"input": {"chunking": {"overlp": 3}}}, "input.chunking.overlp", "did you mean input.chunking.overlap"),
+    ({"input": {"chunking": {"max_tokens": 64, "overlap": 64}}}, "input.chunking.overlap", "is not below"),
+    ({"input": {"chunking": {"overlap": -1}}}, "input.chunking.overlap", "is negative"),
+    ({"input": {"chunking": 5}}, "input.chunking", "must be a mapping"),
+    ({"output": {"document_vectors": "mean"}}, "output.document_vectors", "needs chunked documents"),
+    ({"input": {"chunking": {"mode": "split"}}, "output": {"document_vectors": "mean", "dtype": "int8"}},
+     "output.document_vectors", "needs float vectors"),
+])
+def test_each_bad_chunking_field_is_named(tmp_path, over, field, words):
+    over = {k: {**({"path": str(QUICKSTART)} if k == "input" else {"path": str(tmp_path / "out")}), **v}
+            for k, v in over.items()}
+    with pytest.raises(JobError) as err:
+        load_job(_job(tmp_path, **over))
+    assert err.value.field_path == field
+    assert words in str(err.value) and "fix:" in str(err.value)

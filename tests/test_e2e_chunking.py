@@ -77,11 +77,20 @@ def job_file(tmp_path: Path, data: Path, **over) -> Path:
 def test_two_workers_every_chunk_once(tmp_path, documents, encoder, ray_session):
     data = tmp_path / "docs.parquet"
     pq.write_table(documents, data, row_group_size=5)  # 8 units
-    result = CliRunner().invoke(app, ["run", str(job_file(tmp_path, data)), "--no-progress"])
+    job = job_file(tmp_path, data, output={"document_vectors": "mean"})
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
     want = expected(encoder, documents)
     assert len(want) > 2 * documents.num_rows
     check_output(tmp_path / "out" / "vectors", want)
+    # output.document_vectors: mean: one row per document, the normalised mean of its chunks' vectors
+    docs = ds.dataset(tmp_path / "out" / "document_vectors", format="parquet").to_table()
+    assert sorted(docs["id"].to_pylist()) == documents["id"].to_pylist()
+    for i, vector in zip(docs["id"].to_pylist(), np.asarray(docs["embedding"].to_pylist(), dtype=np.float32)):
+        mean = np.mean([v for (d, _), (_, _, v) in want.items() if d == i], axis=0)
+        np.testing.assert_allclose(vector, mean / np.linalg.norm(mean), atol=2e-5)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_manifest" / "units").glob("*.json")]
+    assert all(r["document_parts"][0]["path"].startswith("document_vectors/") for r in records)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     per_doc = np.bincount([i - 1000 for i, _ in want])
     assert report["chunking"] == {"documents": 40, "chunks": len(want), "chunks_per_document_mean":

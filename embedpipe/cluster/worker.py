@@ -77,6 +77,7 @@ class EmbedWorker:
         self.writer = ParquetPartWriter(output_path=job.output.path, dtype=job.output.dtype, calibration=calibration,
                                         dim=self.encoder.dim, description=description)
         self.manifest = Manifest(job.output.path)
+        self.document_vectors = job.output.document_vectors == "mean" and self.encoder.chunker is not None
         self.incremental = incremental
         self.previous = None
         if incremental is not None and incremental.previous:
@@ -125,22 +126,26 @@ class EmbedWorker:
 
             torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: Ray's pool thread too
         rows = ahead.rows
-        extra, ids = None, rows.ids
+        extra, ids, doc = None, rows.ids, None
         if self.encoder.chunker is not None:
-            ids, vectors, extra = self._embed_chunks(rows, counters)
+            ids, vectors, extra, doc = self._embed_chunks(rows, counters)
         elif ahead.reuse is None:
             vectors = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [N, D]
         else:
             encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [F, D]
             vectors, extra = self._assemble(rows, ahead, encoded, counters)
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
+        documents = []
         with counters.time("write"):
             part = self.writer.write(unit.id, ids, vectors, extra, stored=self.incremental is not None)
+            if self.document_vectors:  # the normalised mean of each document's chunk vectors
+                documents.append(self.writer.write_documents(unit.id, rows.ids, doc, vectors))
             if rows.skipped.num_rows:
                 atomic_write_table(rows.skipped, self.manifest.skipped_path(unit.id))
         # last, with the unit's complete counters: from now on the unit is done
-        self.manifest.record(unit.id, parts=[part], file=unit.file, row_groups=list(unit.row_groups),
-                             row_start=unit.row_start, num_rows=unit.num_rows, counters=counters.to_dict())
+        self.manifest.record(unit.id, parts=[part], document_parts=documents, file=unit.file,
+                             row_groups=list(unit.row_groups), row_start=unit.row_start, num_rows=unit.num_rows,
+                             counters=counters.to_dict())
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
                           started=started, finished=time.time(), device=self.device, node=self.node)
@@ -177,7 +182,8 @@ class EmbedWorker:
 
     def _embed_chunks(self, rows, counters):
         """input.chunking: one row per chunk, (id, chunk) in document then text order; an incremental run hashes
-        each whole document and reuses all chunks of an unchanged one (the previous version's rows)."""
+        each whole document and reuses all chunks of an unchanged one (the previous version's rows).
+        Returns the chunk rows' ids, vectors, extra columns and documents (row index of each chunk)."""
         import numpy as np
         import pyarrow as pa
 
@@ -213,7 +219,7 @@ class EmbedWorker:
                  "end": pa.array(columns["end"][order], pa.int64())}
         if hashes is not None:
             extra["content_hash"] = hashes.take(pa.array(doc[order]))
-        return rows.ids.take(pa.array(doc[order])), vectors[order], extra
+        return rows.ids.take(pa.array(doc[order])), vectors[order], extra, doc[order]
 
 
 def _table(moved):

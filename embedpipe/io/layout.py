@@ -6,6 +6,7 @@
       _manifest/units/<unit>.json                  one record per finished unit
       _manifest/skipped/<unit>.parquet             a unit's rows that got no vector
       vectors/part-<unit>.parquet                  one part per unit (object stores: part-<unit>.<attempt>.parquet)
+      document_vectors/part-<unit>.parquet         output.document_vectors: one vector per chunked document
       index/index.faiss ids.parquet holdout.parquet index.ivfdata index.json   (_build/ while building)
       report.json report.md report.png runs/<run id>/report.json
       skipped.parquet quantization.json
@@ -40,6 +41,7 @@ UNITS = "units"
 SKIPPED_DIR = "skipped"
 JOB = "job.json"
 VECTORS = "vectors"
+DOCUMENT_VECTORS = "document_vectors"
 INDEX = "index"
 INDEX_WORK = "_build"
 RUNS = "runs"
@@ -51,10 +53,12 @@ CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
 
 # What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
 # removes exactly these, and nothing else in the folder.
-OWNED = (MANIFEST, VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS, DESCRIPTION)
+OWNED = (MANIFEST, VECTORS, DOCUMENT_VECTORS, INDEX, REPORT_JSON, REPORT_MD, REPORT_PNG, SKIPPED, QUANTIZATION, RUNS,
+         DESCRIPTION)
 VERSIONED_OWNED = (CURRENT, VERSIONS, DESCRIPTION)
 # Folders whose contents embedpipe lists and cleans: each must be a real folder inside the output.
-CLEANED_DIRS = (VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX, VERSIONS, RUNS)
+CLEANED_DIRS = (VECTORS, DOCUMENT_VECTORS, MANIFEST, f"{MANIFEST}/{UNITS}", f"{MANIFEST}/{SKIPPED_DIR}", INDEX,
+                VERSIONS, RUNS)
 # The names of what the manifest records: parts, unit records, skipped rows (anything else is not cleaned).
 # A part: part-<unit>.parquet (local), part-<unit>.<attempt>.parquet (object stores: attempt-unique).
 PART_NAME = re.compile(rf"^part-(?P<unit>[\w.-]+?)(\.(?P<attempt>[0-9a-f]{{{ATTEMPT_HEX}}}))?\.parquet$")
@@ -181,6 +185,14 @@ class OutputLayout:
     def part(self, unit_id: str, attempt: str | None = None) -> TreePath:
         """A unit's part; ``attempt`` (object stores, ``store.unique_parts``) makes the name attempt-unique."""
         return self.vectors / part_name(unit_id, attempt)
+
+    @property
+    def document_vectors(self) -> Path:
+        return self.root / DOCUMENT_VECTORS
+
+    def document_part(self, unit_id: str, attempt: str | None = None) -> TreePath:
+        """A unit's document vectors (output.document_vectors), named as its part is."""
+        return self.document_vectors / part_name(unit_id, attempt)
 
     def relative(self, path: TreePath) -> str:
         """``path`` relative to the root, with ``/`` (as a manifest record names its parts)."""

@@ -234,18 +234,18 @@ class Manifest:
         records = self.records()
         listings: dict[str, dict[str, int]] = {}
         for record in records:
-            for part in record["parts"]:
+            for part in _files(record):
                 folder = posixpath.dirname(part["path"])
                 if folder not in listings:
                     listings[folder] = self.store.list(self.layout.resolve(folder) if folder else self.output)
         intact = {}
         for record in records:
             if all(listings[posixpath.dirname(p["path"])].get(posixpath.basename(p["path"])) == p["bytes"]
-                   for p in record["parts"]):
+                   for p in _files(record)):
                 intact[record["unit_id"]] = record
         if verify and intact and self.store.local:
             checks = [(unit, self.layout.resolve(p["path"]), p["sha256"]) for unit, r in intact.items()
-                      for p in r["parts"]]
+                      for p in _files(r)]
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
                 hashes = list(pool.map(lambda check: self.store.sha256(check[1]), checks))
             for (unit, path, want), got in zip(checks, hashes):
@@ -264,16 +264,16 @@ class Manifest:
         off by a killed worker or driver). One listing per folder; on object stores, one batched delete.
 
         Only files with the names embedpipe gives them: anything else in these folders is left alone."""
-        kept = {posixpath.basename(p["path"]) for r in done.values() for p in r["parts"]} \
-            if isinstance(done, dict) else None
+        kept = {p["path"] for r in done.values() for p in _files(r)} if isinstance(done, dict) else None
         doomed = []
-        for folder, pattern in ((self.layout.vectors, PART_NAME), (self.layout.units, RECORD_NAME),
-                                (self.layout.skipped_dir, RECORD_NAME)):
+        for folder, pattern in ((self.layout.vectors, PART_NAME), (self.layout.document_vectors, PART_NAME),
+                                (self.layout.units, RECORD_NAME), (self.layout.skipped_dir, RECORD_NAME)):
             if self.store.local and Path(folder).is_symlink():
                 continue
             for name in self.store.list(folder):
                 match = pattern.match(name)
-                orphan = kept is not None and pattern is PART_NAME and match and name not in kept
+                orphan = (kept is not None and pattern is PART_NAME and match
+                          and f"{self.layout.relative(folder)}/{name}" not in kept)
                 if TEMP_NAME.match(name) or (match and match["unit"] not in done) or orphan:
                     doomed.append(folder / name)
         self.store.remove_many(doomed)
@@ -287,14 +287,18 @@ class Manifest:
     def skipped_path(self, unit_id: str):
         return self.layout.skipped_part(unit_id)
 
-    def record(self, unit_id: str, *, parts: list[Written | Path], **fields: Any) -> dict[str, Any]:
+    def record(self, unit_id: str, *, parts: list[Written | Path], document_parts: list[Written] = (),
+               **fields: Any) -> dict[str, Any]:
         """Write the unit's record last: from now on the unit is done. ``parts``: what the writer wrote (size
-        and sha256 of the bytes written), or local paths (hashed here)."""
+        and sha256 of the bytes written), or local paths (hashed here); ``document_parts``: its document
+        vectors (output.document_vectors), checked and cleaned like the parts but never read as vectors."""
         written = [p if isinstance(p, Written) else Written(Path(p), os.path.getsize(p), file_sha256(p))
                    for p in parts]
+        entry = lambda w: {"path": self.layout.relative(w.path), "bytes": w.bytes, "sha256": w.sha256}  # noqa: E731
         record = {
             "unit_id": unit_id,
-            "parts": [{"path": self.layout.relative(w.path), "bytes": w.bytes, "sha256": w.sha256} for w in written],
+            "parts": [entry(w) for w in written],
+            **({"document_parts": [entry(w) for w in document_parts]} if document_parts else {}),
             **fields,
         }
         atomic_write(self.layout.unit_record(unit_id), json.dumps(record, indent=1).encode())
@@ -320,6 +324,11 @@ def done_units(records: dict[str, dict[str, Any]], units: Iterable[Unit]) -> dic
     its part and the unit is encoded again: every row is written once."""
     by_id = {u.id: u for u in units}
     return {k: v for k, v in records.items() if k in by_id and covers(v, by_id[k])}
+
+
+def _files(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every file a unit record names: its parts and its document vectors."""
+    return record["parts"] + record.get("document_parts", [])
 
 
 def _read_json(store: Store, path) -> Any:

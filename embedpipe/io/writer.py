@@ -71,6 +71,17 @@ class ParquetPartWriter:
         """``vectors``: float [N, D], or stored values [N, W] from ``store`` (and reused rows) with ``stored``."""
         return str(self.write(unit_id, ids, vectors, extra, stored=stored).path)
 
+    def write_documents(self, unit_id: str, ids: pa.Array, doc: np.ndarray, vectors: np.ndarray) -> Written:
+        """output.document_vectors: mean: one row per document (``ids``), the normalised mean of its chunks'
+        vectors (``vectors`` [C, D] float or float16 stored values, ``doc`` [C] each chunk's document), to
+        ``document_vectors/part-<unit>.parquet``."""
+        sums = np.zeros((len(ids), vectors.shape[1]), dtype=np.float64)
+        np.add.at(sums, doc, vectors.astype(np.float64))
+        means = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)  # [N, D]
+        table = vectors_table(ids, means.astype(np.float32), dtype=self.dtype)
+        unique = attempt_token() if self.layout.store.unique_parts else None
+        return self.layout.store.write_table(table, self.layout.document_part(unit_id, unique))
+
     def write(self, unit_id: str, ids: pa.Array, vectors: np.ndarray,
               extra: dict[str, pa.Array] | None = None, *, stored: bool = False) -> Written:
         """As ``__call__``; returns the part as written (path, size, sha256 of the bytes) for its manifest record."""

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embedpipe.config import BatchingConfig, ChunkingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig, resolve_dtype
+from embedpipe.config import (BatchingConfig, ChunkingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig,
+                              resolve_dtype)
 from embedpipe.models import load_model
 from embedpipe.models.loader import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Window = tuple[int, Tokenized, list[Batch]]  # (first row, its tokens, its packed batches): one sort window
+LATE_CHUNK_TOKENS = 512  # input.chunking.max_tokens null in late mode: chunks of this size within the context
 ENCODER_SECTIONS = ("model", "batching", "runtime")  # the job sections an encoder reads, with output.dim
 
 
@@ -91,7 +93,8 @@ class Encoder:
 
     def _chunker(self, chunking: ChunkingConfig) -> Chunker:
         """input.chunking against this model: max_tokens null is max_seq_len, and never above it."""
-        max_tokens = chunking.max_tokens or (self.max_seq_len if chunking.mode == "split" else min(512, self.max_seq_len))
+        default = self.max_seq_len if chunking.mode == "split" else min(LATE_CHUNK_TOKENS, self.max_seq_len)
+        max_tokens = chunking.max_tokens or default
         if max_tokens > self.max_seq_len:
             raise ValueError(f"input.chunking.max_tokens={max_tokens} exceeds the model's max_seq_len="
                              f"{self.max_seq_len}: lower input.chunking.max_tokens, or leave it null")

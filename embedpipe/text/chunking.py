@@ -76,7 +76,7 @@ class Chunker:
         self.window = max(0, min(window, self.budget - overlap - 1))
 
     def __call__(self, texts: list[str]) -> tuple[list[DocumentTokens], Chunks]:
-        docs = self.tokenizer.documents(texts)
+        docs = self.tokenizer.documents(texts, offsets_past=self.budget)  # offsets only where a cut is needed
         spans = [self.spans(doc, text) for doc, text in zip(docs, texts)]
         counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
         pairs = np.asarray([p for s in spans for p in s], dtype=np.int64).reshape(-1, 2)  # [C, 2]
@@ -86,7 +86,11 @@ class Chunker:
         end = np.empty(len(doc), dtype=np.int64)
         for i, (d, (first, stop)) in enumerate(zip(doc.tolist(), pairs.tolist())):
             tokens = docs[d]
-            start[i], end[i] = (tokens.starts[first], tokens.ends[stop - 1]) if stop > first else (0, 0)
+            if counts[d] == 1:  # the whole document, less the whitespace around it
+                text = texts[d]
+                start[i], end[i] = (len(text) - len(text.lstrip()), len(text.rstrip())) if stop > first else (0, 0)
+            else:
+                start[i], end[i] = tokens.starts[first], tokens.ends[stop - 1]
         return docs, Chunks(doc=doc, chunk=chunk, first=pairs[:, 0].copy(), stop=pairs[:, 1].copy(),
                             start=start, end=end)
 

@@ -75,17 +75,24 @@ class TextTokenizer:
                 return (np.asarray(outer[:i], dtype=np.int64), np.asarray(outer[i + len(inner):], dtype=np.int64))
         raise ValueError("the tokenizer's post-processor changes a text's own tokens: chunking cannot frame chunks")
 
-    def documents(self, texts: list[str]) -> list[DocumentTokens]:
-        """Each text tokenized whole, once, with character offsets into the text (no specials, no prompt)."""
+    def documents(self, texts: list[str], *, offsets_past: int = 0) -> list[DocumentTokens]:
+        """Each text tokenized whole, once, with character offsets into the text (no specials, no prompt).
+        ``offsets_past``: a document of at most this many tokens gets its ids only (``starts`` and the rest
+        empty): the chunker cuts only longer ones, and the offsets are most of the cost on short ones."""
         out = []
         for e in self._documents.encode_batch(texts, add_special_tokens=False):
+            ids = np.asarray(e.ids, dtype=np.int64)
+            if len(ids) <= offsets_past:
+                out.append(DocumentTokens(ids=ids, starts=_EMPTY, ends=_EMPTY, word_start=_NO_WORDS))
+                continue
             offsets = np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)  # [n, 2]
             words = np.asarray([-1 if w is None else w for w in e.word_ids], dtype=np.int64)  # [n]
             word_start = np.ones(len(words), dtype=bool)
             word_start[1:] = words[1:] != words[:-1]
-            out.append(DocumentTokens(ids=np.asarray(e.ids, dtype=np.int64), starts=offsets[:, 0].copy(),
-                                      ends=offsets[:, 1].copy(), word_start=word_start))
+            out.append(DocumentTokens(ids=ids, starts=offsets[:, 0].copy(), ends=offsets[:, 1].copy(),
+                                      word_start=word_start))
         return out
+
 
     def _prompt_length(self, prompt: str) -> int:
         if not prompt:
@@ -103,6 +110,9 @@ class TextTokenizer:
                           count=int(lengths.sum()))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
         return Tokenized(ids=ids, lengths=lengths, truncated=truncated)
+
+
+_EMPTY, _NO_WORDS = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
 
 
 def _has_lowercase(normalizer) -> bool:
