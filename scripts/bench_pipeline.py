@@ -114,7 +114,7 @@ def main() -> int:
         print(f"skipped: corpus {args.corpus} is absent")
         return 0
     trees = {"this": ROOT} | {name: Path(path) for name, path in (t.split("=", 1) for t in args.tree)}
-    layouts = [tuple(int(x) for x in layout.split("x")) for layout in args.layouts.split(",")]
+    layouts = [tuple(int(x) for x in layout.split("x")) for layout in args.layouts.split(",") if layout]
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         folder = Path(tmp)
