@@ -85,13 +85,6 @@ class PreviousVectors:
         reuse = np.array([w is not None and w[0] == h for w, h in zip(wanted, hashes.to_pylist())], dtype=bool)
         return reuse, sorted({wanted[k][1] for k in np.flatnonzero(reuse)}), len(previous), found.num_rows
 
-
-def stored_rows(part: pa.Table) -> np.ndarray:
-    """A part's ``embedding`` column as its stored values [N, W]."""
-    flat = part["embedding"].combine_chunks()
-    return np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
-
-
     def lookup_unit(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,
                     moved: pa.Table | None) -> tuple[np.ndarray, np.ndarray, int]:
         """``lookup``'s answer for one unit from the night's diff: ``same_part`` (the index of the previous part
@@ -105,7 +98,7 @@ def stored_rows(part: pa.Table) -> np.ndarray:
             for part in np.unique(moved["part"].to_numpy()):
                 rows = pc.filter(moved["row"], pc.equal(moved["part"], int(part))).to_numpy()
                 found.append(self._rows(int(part), rows))
-        return _match(ids, hashes, found)
+        return _match_found(ids, hashes, found)
 
     def _rows(self, part: int, rows: np.ndarray) -> pa.Table:
         """These rows of one part (positions in it): only the row groups that hold them are read."""
@@ -121,7 +114,13 @@ def stored_rows(part: pa.Table) -> np.ndarray:
         return table.take(pa.array(local))
 
 
-def _match(ids: pa.Array, hashes: pa.Array, found: list[pa.Table]) -> tuple[np.ndarray, np.ndarray, int]:
+def stored_rows(part: pa.Table) -> np.ndarray:
+    """A part's ``embedding`` column as its stored values [N, W]."""
+    flat = part["embedding"].combine_chunks()
+    return np.asarray(flat.values.to_numpy(zero_copy_only=False)).reshape(len(part), -1)
+
+
+def _match_found(ids: pa.Array, hashes: pa.Array, found: list[pa.Table]) -> tuple[np.ndarray, np.ndarray, int]:
     """(reuse mask [N], the reused rows' stored vectors [R, W], ids present) of ``ids`` among ``found``'s rows."""
     found = [t for t in found if t.num_rows]
     if not found:
