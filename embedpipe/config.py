@@ -79,6 +79,9 @@ Pooling = Literal["auto", "mean", "cls", "last"]
 OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
 
 
+LATE_CHUNK_TOKENS = 512  # input.chunking.max_tokens null in late mode: chunks of this size within the context
+
+
 @dataclass(frozen=True)
 class ChunkingConfig:
     """input.chunking: long documents cut into token spans on the worker (embedpipe/text/chunking.py)."""
@@ -105,6 +108,22 @@ class ChunkingConfig:
         if self.max_tokens is not None and self.overlap >= self.max_tokens:
             raise JobError("input.chunking.overlap", f"{self.overlap} is not below input.chunking.max_tokens="
                            f"{self.max_tokens}", "lower input.chunking.overlap (e.g. an eighth of max_tokens)")
+
+    def tokens_for(self, *, max_seq_len: int) -> int:
+        """max_tokens against a model of ``max_seq_len``: null is max_seq_len (split) or LATE_CHUNK_TOKENS within
+        it (late). Above max_seq_len is one line (the driver checks it before any worker starts)."""
+        tokens = self.max_tokens or (max_seq_len if self.mode == "split" else min(LATE_CHUNK_TOKENS, max_seq_len))
+        if tokens > max_seq_len:
+            raise JobError("input.chunking.max_tokens", f"{tokens} exceeds the model's max_seq_len={max_seq_len}",
+                           "lower input.chunking.max_tokens, or leave it null")
+        return tokens
+
+    def record(self, *, max_seq_len: int) -> dict | None:
+        """What embedpipe.json says of a chunked run (max_tokens resolved); None when chunking is off."""
+        if self.mode == "off":
+            return None
+        return {"mode": self.mode, "max_tokens": self.tokens_for(max_seq_len=max_seq_len), "overlap": self.overlap,
+                "boundary_window": self.boundary_window}
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,9 @@ class RunPlan:
         m = self.model
         return describe(model=m.record(job.model.path), dim=m.vector_dim, model_dim=m.dim, dtype=job.output.dtype,
                         normalized=m.normalize, pooling=m.pooling, max_seq_len=m.max_seq_len, prompt=m.prompt,
-                        query_prompt=m.prompts.get("query", ""), calibration=calibration, chunking=chunking)
+                        query_prompt=m.prompts.get("query", ""), calibration=calibration,
+                        chunking=chunking if chunking is not None else job.input.chunking.record(
+                            max_seq_len=m.max_seq_len))
 
 
 Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts

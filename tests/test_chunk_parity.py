@@ -66,5 +66,5 @@ def test_chunks_in_input_order_across_sort_windows(pages):
 
 
 def test_max_tokens_above_the_model_is_one_line():
-    with pytest.raises(ValueError, match=r"input.chunking.max_tokens=512 exceeds the model's max_seq_len=256"):
+    with pytest.raises(ValueError, match=r"input.chunking.max_tokens: 512 exceeds the model's max_seq_len=256"):
         chunk_encoder(max_tokens=512, overlap=0)

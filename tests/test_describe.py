@@ -30,9 +30,10 @@ def corpus(tmp_path_factory, quickstart_table) -> Path:
     return path
 
 
-def _run(folder: Path, corpus: Path, *, out: str | None = None, **output) -> Path:
+def _run(folder: Path, corpus: Path, *, out: str | None = None, chunking: dict | None = None, **output) -> Path:
     out = out or folder / "out"
-    job = write_job(folder / "job.yaml", input={"path": str(corpus), "unit_rows": 60}, model={"path": MODEL},
+    chunked = {"chunking": chunking} if chunking else {}
+    job = write_job(folder / "job.yaml", input={"path": str(corpus), "unit_rows": 60, **chunked}, model={"path": MODEL},
                     batching={"max_tokens": 4096}, cluster={"workers": 1, "cpus_per_worker": 1},
                     output={"path": str(out), **output})
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
@@ -119,6 +120,16 @@ def test_an_int8_output_records_its_calibration(tmp_path, corpus, minilm_dir, ra
     quantization = json.loads(Path(OutputLayout(out).quantization).read_text())
     assert calibration == quantization["calibration"]  # the ranges the parts were quantized with
     assert all(part == record for part in parts)
+
+
+@pytest.mark.slow
+def test_a_chunked_output_records_its_chunking(tmp_path, corpus, minilm_dir, ray_session):
+    out = _run(tmp_path, corpus, chunking={"mode": "split", "overlap": 16})
+    record, parts = _record_and_parts(out)
+    assert record["chunking"] == {"mode": "split", "max_tokens": 256, "overlap": 16, "boundary_window": 32}
+    assert (record["dim"], record["dtype"], record["metric"]) == (384, "float32", "cosine")
+    assert all(part == record for part in parts)
+    assert "chunk" in pq.read_schema(OutputLayout(out).parts()[0]).names
 
 
 def test_the_record_resolves_what_the_job_leaves_to_the_model(tmp_path, corpus, minilm_dir):

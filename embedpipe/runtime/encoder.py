@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Window = tuple[int, Tokenized, list[Batch]]  # (first row, its tokens, its packed batches): one sort window
-LATE_CHUNK_TOKENS = 512  # input.chunking.max_tokens null in late mode: chunks of this size within the context
 ENCODER_SECTIONS = ("model", "batching", "runtime")  # the job sections an encoder reads, with output.dim
 
 
@@ -92,12 +91,8 @@ class Encoder:
         self.warmup = warmup_guard(self) if runtime.warmup_check else None  # raises WarmupDivergence
 
     def _chunker(self, chunking: ChunkingConfig) -> Chunker:
-        """input.chunking against this model: max_tokens null is max_seq_len, and never above it."""
-        default = self.max_seq_len if chunking.mode == "split" else min(LATE_CHUNK_TOKENS, self.max_seq_len)
-        max_tokens = chunking.max_tokens or default
-        if max_tokens > self.max_seq_len:
-            raise ValueError(f"input.chunking.max_tokens={max_tokens} exceeds the model's max_seq_len="
-                             f"{self.max_seq_len}: lower input.chunking.max_tokens, or leave it null")
+        """input.chunking against this model (ChunkingConfig.tokens_for: null is max_seq_len, never above it)."""
+        max_tokens = chunking.tokens_for(max_seq_len=self.max_seq_len)  # a JobError (ValueError) above it
         return Chunker(tokenizer=self.tokenizer, max_tokens=max_tokens, overlap=chunking.overlap,
                        window=chunking.boundary_window)
 
