@@ -308,6 +308,12 @@ class RuntimeConfig:
     cpu_keep_memory: bool = opt(True, "CPU: keep freed activation memory in the worker's heap instead of returning it "
                                       "to the OS: no page faults on every step (MiniLM: ~25% faster), but a worker "
                                       "then holds its peak memory until it exits.")
+    cpu_linears: Literal["onednn", "torch", "auto"] = opt(
+        "onednn", "CPU: the GEMM library of the model's linear layers. onednn: oneDNN wherever it runs correctly "
+                  "(else torch's); torch: torch's own (MKL or its BLAS); auto: measured at each machine's first "
+                  "start-up (oneDNN unless torch's is 25% faster, cached per machine). Every worker of a run must "
+                  "compute the same bits, so auto suits one machine or identical ones: machines that measure "
+                  "differently compute vectors that differ in their last bits.")
     cuda_graphs: bool = opt(True, "GPU: pad batches to batching.buckets and replay one CUDA graph per bucket "
                                   "(captured on first use); false: run eagerly on exact shapes.")
     max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")

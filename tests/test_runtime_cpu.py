@@ -1,5 +1,7 @@
 """CPU runtime settings: oneDNN linears give nn.Linear's results; the allocator setting is idempotent."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -72,9 +74,25 @@ def test_the_gemm_library_is_chosen_by_measurement_once_per_machine(tmp_path, mo
         choice = cpu.choose_linears(model)
     timings = cpu.linear_timings(((384, 1536), (1536, 384)), dtype=torch.float32, threads=torch.get_num_threads())
     assert set(timings) == {"onednn", "torch"} and timings["torch"] > 0
-    want = "torch" if timings["onednn"] > cpu.TORCH_MARGIN * timings["torch"] else "onednn"
-    assert choice == want and (type(model[0]) is cpu.OneDNNLinear) == (choice == "onednn")
+    logged = re.search(r"oneDNN ([\d.]+), torch ([\d.]+) -> (\w+)", caplog.text)  # the probe that decided
+    onednn_ms, torch_ms, said = float(logged[1]), float(logged[2]), logged[3]
+    assert said == choice == ("torch" if onednn_ms > cpu.TORCH_MARGIN * torch_ms else "onednn")
+    assert (type(model[0]) is cpu.OneDNNLinear) == (choice == "onednn")
     assert "ms per probe" in caplog.text and (tmp_path / "cpu_linears.json").is_file()
     monkeypatch.setattr(cpu, "_faster", lambda timings: pytest.fail("measured again"))
     again = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
     assert cpu.choose_linears(again) == choice
+
+
+def test_runtime_cpu_linears_pins_the_library_without_measuring(monkeypatch):
+    """The default (onednn) and torch never measure: every worker of a run computes the same bits."""
+    from embedpipe.config import RuntimeConfig
+    from embedpipe.runtime import cpu
+
+    assert RuntimeConfig().cpu_linears == "onednn"
+    monkeypatch.setattr(cpu, "linear_timings", lambda *a, **k: pytest.fail("measured"))
+    model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
+    assert cpu.place_linears(model, choice="torch") == "torch" and type(model[0]) is nn.Linear
+    want = "onednn" if cpu.onednn_linear_works(torch.float32) else "torch"
+    assert cpu.place_linears(model, choice="onednn") == want
+    assert (type(model[0]) is cpu.OneDNNLinear) == (want == "onednn")

@@ -113,6 +113,16 @@ def use_onednn_linears(model: nn.Module) -> int:
     return swapped
 
 
+def place_linears(model: nn.Module, *, choice: str) -> str:
+    """runtime.cpu_linears on ``model``'s CPU linears: "onednn" (where it runs correctly), "torch" (left as they
+    are) or "auto" (choose_linears: measured once per machine); returns the library used."""
+    if choice == "auto":
+        return choose_linears(model)
+    if choice == "onednn":
+        return "onednn" if use_onednn_linears(model) else "torch"
+    return "torch"
+
+
 def choose_linears(model: nn.Module) -> str:
     """Put ``model``'s CPU linears on the faster GEMM library here, measured (not assumed by CPU vendor): "onednn"
     (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL or its BLAS). oneDNN stays unless torch

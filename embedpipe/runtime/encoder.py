@@ -17,7 +17,7 @@ from embedpipe.models.loader import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
-from embedpipe.runtime.cpu import choose_linears, keep_freed_memory
+from embedpipe.runtime.cpu import keep_freed_memory, place_linears
 from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
@@ -61,7 +61,7 @@ class Encoder:
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         if self.device == "cpu":
-            choose_linears(self.loaded.model)  # oneDNN or torch's GEMMs, whichever measures faster here (runtime/cpu.py)
+            place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime.cpu_linears (runtime/cpu.py)
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
         self.max_seq_len = effective_max_seq_len(model.max_seq_len, spec=spec, max_positions=self.loaded.max_positions)
