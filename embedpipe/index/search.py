@@ -222,14 +222,18 @@ def _units_holding(root, ids: set) -> set[str] | None:
 
     from embedpipe.io.manifest import Manifest
 
-    holding = set()
+    holding, missing = set(), set(ids)
     try:
         manifest = Manifest(root)
         for unit_id, record in manifest.done().items():
             for path in manifest.part_paths(record):
                 column = pq.ParquetFile(manifest.store.arrow_source(path)).read(columns=["id"]).column(0)
-                if pc.any(pc.is_in(column, value_set=pa.array(list(ids), type=column.type))).as_py():
+                present = pc.filter(column, pc.is_in(column, value_set=pa.array(list(missing), type=column.type)))
+                if len(present):
                     holding.add(unit_id)
+                    missing -= set(present.to_pylist())
+            if not missing:  # every id found: no later part holds one (an id is in one unit)
+                break
     except (OSError, ValueError, TypeError, pa.ArrowException):  # the parts cannot say: every unit is read
         return None
     return holding or None
