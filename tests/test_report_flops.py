@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from embedpipe.models.layers import matmul_params
-from embedpipe.models.registry import MODEL_REGISTRY
+from embedpipe.models.registry import MODEL_REGISTRY, load_families
 from embedpipe.report import flops
 from embedpipe.report.flops import effective_seq_len, flops_per_token_from_config, read_model_config
 from tests.conftest import ROOT
@@ -69,7 +69,7 @@ def test_bidirectional_qwen3_and_modernbert_hand_counts():
                          ids=["bert-base", "qwen3-0.6b", "qwen3-bidirectional", "modernbert-base"])
 def test_matches_the_model_class(config):
     """The convention of each model's own flops_per_token (every family registered on this branch)."""
-    import embedpipe.models  # noqa: F401  (registers the families)
+    load_families()  # registers the families
 
     cls = MODEL_REGISTRY.get(config["model_type"])
     if cls is None:
@@ -98,7 +98,7 @@ TINY_FAMILIES = {
 
 
 def test_every_loadable_family_has_a_tiny_config_here_and_nothing_else_is_listed():
-    import embedpipe.models  # noqa: F401  (registers the families)
+    load_families()  # registers the families
 
     assert flops.families() == sorted(MODEL_REGISTRY) == sorted({c["model_type"] for c in TINY_FAMILIES.values()})
     for unloadable in ("llama", "mistral", "qwen2"):  # decoders embedpipe has no model class for
@@ -110,7 +110,7 @@ def test_every_loadable_family_has_a_tiny_config_here_and_nothing_else_is_listed
 def test_the_config_rule_is_the_built_model_count(name):
     """The rule on config.json alone = the built model's flops_per_token, and its weights are the
     model's Linear weights (built for real, width 32): one rule, no drift from the modules."""
-    import embedpipe.models  # noqa: F401
+    load_families()
 
     config = TINY_FAMILIES[name]
     cls = MODEL_REGISTRY[config["model_type"]]

@@ -4,7 +4,8 @@ Queries are encoded in this process (no Ray) with the settings the output record
 (the resolved model folder, pooling, normalisation, max_seq_len and dimension: embedpipe/io/describe.py; for an
 output written before there was one, the job's own settings read back from ``index.json``), with the model's
 query prompt when it has one; results are the input's own ids, best first. Imports are lazy: opening loads
-FAISS and the id map, the first query loads torch and the model; texts are read through the input's format
+FAISS and the id map, the first query loads the model (a BERT-family float32 model in numpy, without torch:
+embedpipe/index/query.py; any other with torch); texts are read through the input's format
 reader (embedpipe/io/formats.py) only when asked for.
 """
 
@@ -26,6 +27,9 @@ from embedpipe.io.layout import IndexLayout, OutputLayout
 from embedpipe.io.store import store_for, tree_path
 
 log = logging.getLogger(__name__)
+
+
+QUERY_ENCODERS = ("auto", "torch")
 
 
 class IndexNotFound(BadJob, FileNotFoundError):
@@ -64,7 +68,8 @@ class ChunkHit:
 class OpenedIndex:
     """A built index: FAISS index, id map and the encoder settings, opened once, searched many times."""
 
-    def __init__(self, output_path: str | Path, *, query_prompt: str | None = None, threads: int | None = None):
+    def __init__(self, output_path: str | Path, *, query_prompt: str | None = None, threads: int | None = None,
+                 query_encoder: str = "auto"):
         import faiss
 
         from embedpipe.versions import current_path
@@ -96,19 +101,38 @@ class OpenedIndex:
         self.query_prompt: str = recorded if query_prompt is None else query_prompt
         self.text_problem: str | None = None  # why the last source_texts call found no texts, when it could not read
         self.threads = threads  # torch intra-op threads of the query encoder (None: torch's default)
+        if query_encoder not in QUERY_ENCODERS:
+            raise ValueError(f"query_encoder={query_encoder!r}: choose one of {QUERY_ENCODERS}")
+        self.query_encoder = query_encoder  # auto: numpy where it applies (embedpipe/index/query.py); torch: always torch
         self._encoder = None
 
     @property
     def encoder(self):
+        """The query encoder: numpy for a BERT-family float32 model (no torch: embedpipe/index/query.py), else the
+        torch Encoder; built on the first query."""
         if self._encoder is None:
-            from embedpipe.runtime import Encoder
-
-            job = self.job
-            self._encoder = Encoder(model=self._query_model(), batching=job.batching,
-                                    output_dim=self.description.dim if self.description else job.output.dim,
-                                    runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"),
-                                    threads=self.threads)
+            model = self._query_model()
+            self._encoder = self._numpy_encoder(model) or self._torch_encoder(model)
+            log.debug("query encoder: %s", getattr(self._encoder, "name", "torch"))
         return self._encoder
+
+    def _numpy_encoder(self, model):
+        from embedpipe.index.query import numpy_query_encoder
+        from embedpipe.models.resolve import resolve_model_path
+
+        if self.description is None or self.query_encoder == "torch":
+            return None
+        model_dir = resolve_model_path(model.path, storage_options=model.storage_options)
+        return numpy_query_encoder(model_dir=model_dir, description=self.description, prompt=self.query_prompt,
+                                   dtype=model.dtype)
+
+    def _torch_encoder(self, model):
+        from embedpipe.runtime import Encoder
+
+        job = self.job
+        return Encoder(model=model, batching=job.batching,
+                       output_dim=self.description.dim if self.description else job.output.dim,
+                       runtime=dataclasses.replace(job.runtime, device="auto", attention="auto"), threads=self.threads)
 
     def _query_model(self):
         """The job's model section as the documents were encoded: every auto resolved from embedpipe.json."""
@@ -263,11 +287,13 @@ def _is_file(path) -> bool:
 
 
 def open_index(output_path: str | Path, *, query_prompt: str | None = None,
-               threads: int | None = None) -> OpenedIndex:
+               threads: int | None = None, query_encoder: str = "auto") -> OpenedIndex:
     """Open the index under ``<output_path>/index`` (or an index directory itself); ``output_path`` may be a URL
     (``s3://bucket/out``): the index files are then read from a local copy in the cache (embedpipe.index.local_copy).
 
     ``query_prompt``: put before every query (e.g. ``"query: "`` for E5 models); None: the model's
     own ``query`` prompt when its sentence-transformers config names one, else none. ``threads``: torch threads
-    of the query encoder (None: torch's default, all cores; 1 answers a single query fastest on a busy machine)."""
-    return OpenedIndex(output_path, query_prompt=query_prompt, threads=threads)
+    of the query encoder (None: torch's default, all cores; 1 answers a single query fastest on a busy machine).
+    ``query_encoder``: "auto" encodes queries in numpy where the model allows (a BERT-family float32 model: no torch
+    imported, embedpipe/index/query.py), else with torch; "torch" always with the torch encoder."""
+    return OpenedIndex(output_path, query_prompt=query_prompt, threads=threads, query_encoder=query_encoder)

@@ -55,11 +55,6 @@ def matmul_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def attention_flops(*, layers: int, heads: int, head_dim: int, context: float) -> float:
-    """Per query token: QK^T and PV are each 2 * context * head_dim FLOPs per head per layer."""
-    return 4.0 * layers * heads * head_dim * context
-
-
 class RMSNorm(nn.Module):
     """RMSNorm (Qwen3, Llama): x / rms(x) * weight with the mean square in fp32; returns the input dtype.
 

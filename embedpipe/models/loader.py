@@ -6,10 +6,8 @@ Nothing from the model directory is executed; pickles are refused unless the job
 from __future__ import annotations
 
 import json
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,15 +16,10 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from embedpipe.kernels import select_backend
+from embedpipe.models.checkpoint import our_name, weight_files
 from embedpipe.models.head import EmbeddingHead, build_head, resolve_pooling
 from embedpipe.models.registry import model_class
 from embedpipe.models.st import STSpec, dense_dim, read_st_spec
-
-# old TF-era checkpoints name LayerNorm parameters gamma / beta
-LEGACY_SUFFIXES: dict[str, str] = {".gamma": ".weight", ".beta": ".bias"}
-
-Target = str | tuple[str, int] | None
-
 
 @dataclass
 class LoadedModel:
@@ -57,36 +50,6 @@ class LoadedModel:
         return head.to(self.device)
 
 
-@cache
-def _patterns(cls: type) -> list[tuple[re.Pattern[str], Target]]:
-    """WEIGHT_MAP keys as regexes: "{}" captures a layer index, "*" matches anything."""
-    out = []
-    for key, target in cls.WEIGHT_MAP.items():
-        rx = re.escape(key).replace(r"\{\}", r"(\d+)").replace(r"\*", ".*")
-        out.append((re.compile(rx + "$"), target))
-    return out
-
-
-def _our_name(cls: type, name: str) -> tuple[bool, Target]:
-    """(known, target) for one checkpoint name; target None means drop it."""
-    for prefix in cls.STRIP_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-            break
-    for old, new in LEGACY_SUFFIXES.items():
-        if name.endswith(old):
-            name = name[: -len(old)] + new
-    for rx, target in _patterns(cls):
-        m = rx.match(name)
-        if m:
-            if target is None:
-                return True, None
-            if isinstance(target, tuple):
-                return True, (target[0].format(*m.groups()), target[1])
-            return True, target.format(*m.groups())
-    return False, None
-
-
 def load_state_dict_into(
     model: nn.Module, state: Mapping[str, Tensor], *, dtype: torch.dtype | None = None, device: str | None = None
 ) -> None:
@@ -98,7 +61,7 @@ def load_state_dict_into(
     shards: dict[str, dict[int, Tensor]] = {}
     unknown = []
     for name, tensor in state.items():
-        known, target = _our_name(cls, name)
+        known, target = our_name(name, weight_map=cls.WEIGHT_MAP, strip_prefixes=cls.STRIP_PREFIXES)
         if not known:
             unknown.append(name)
         elif isinstance(target, tuple):
@@ -130,13 +93,7 @@ def load_state_dict_into(
 
 def read_weights(model_dir: Path, *, allow_pickle: bool = False) -> dict[str, Tensor]:
     """All tensors of a checkpoint directory (single file, or shards listed in the index)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-    elif (model_dir / "model.safetensors").is_file():
-        files = [model_dir / "model.safetensors"]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if files:
         return {k: v for f in files for k, v in load_file(f).items()}
     pickles = sorted(model_dir.glob("pytorch_model*.bin"))

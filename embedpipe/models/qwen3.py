@@ -17,8 +17,9 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from embedpipe.kernels import attention, plan_attention
+from embedpipe.models.flops import attention_flops
 from embedpipe.models.layers import (
-    RMSNorm, activation, apply_rotary, attention_flops, rotary_cos_sin,
+    RMSNorm, activation, apply_rotary, rotary_cos_sin,
 )
 from embedpipe.models.registry import register
 

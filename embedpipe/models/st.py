@@ -1,6 +1,7 @@
 """Read a sentence-transformers directory (modules.json and its module folders) into an STSpec.
 
-Only configuration and safetensors weights are read; no code from the directory is imported.
+Only configuration and safetensors weights are read; no code from the directory is imported. torch is imported
+only to read a Dense module's weights (``dense_weights=False`` reads their configs alone: a torch-free caller).
 A plain Hugging Face directory (no modules.json) gives the default STSpec (no pooling chosen,
 no normalization, no Dense layers).
 """
@@ -10,11 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # sentence-transformers Pooling mode -> ours. Old configs use boolean flags, new ones a name.
 POOLING_FLAGS: dict[str, str] = {
@@ -61,7 +61,7 @@ class DenseSpec:
     out_features: int
     bias: bool
     activation: str  # value of DENSE_ACTIVATIONS
-    weight: Tensor = field(repr=False)  # [out, in] float32
+    weight: Tensor | None = field(repr=False)  # [out, in] float32; None when read with dense_weights=False
     bias_value: Tensor | None = field(default=None, repr=False)  # [out] float32
 
 
@@ -109,11 +109,17 @@ def _pooling(cfg: dict[str, Any], where: Path) -> str:
     return modes[0]
 
 
-def _dense(folder: Path, *, allow_pickle: bool) -> DenseSpec:
+def _dense(folder: Path, *, allow_pickle: bool, weights: bool = True) -> DenseSpec:
     cfg = _json(folder / "config.json")
-    if (folder / "model.safetensors").is_file():
+    if not weights:
+        state = None
+    elif (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
         state = load_file(folder / "model.safetensors")
     elif allow_pickle and (folder / "pytorch_model.bin").is_file():
+        import torch
+
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         found = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else "missing folder"
@@ -133,16 +139,17 @@ def _dense(folder: Path, *, allow_pickle: bool) -> DenseSpec:
         out_features=cfg["out_features"],
         bias=bias,
         activation=DENSE_ACTIVATIONS[act_path],
-        weight=state["linear.weight"].float(),
-        bias_value=state["linear.bias"].float() if bias else None,
+        weight=state["linear.weight"].float() if state is not None else None,
+        bias_value=state["linear.bias"].float() if bias and state is not None else None,
     )
-    if tuple(spec.weight.shape) != (spec.out_features, spec.in_features):
+    if spec.weight is not None and tuple(spec.weight.shape) != (spec.out_features, spec.in_features):
         raise ValueError(f"{folder}: linear.weight is {tuple(spec.weight.shape)}, config says {(spec.out_features, spec.in_features)}")
     return spec
 
 
-def read_st_spec(path: str | Path, *, allow_pickle: bool = False) -> STSpec:
-    """Read modules.json and its Pooling / Dense / Normalize modules. Missing Normalize folders are normal."""
+def read_st_spec(path: str | Path, *, allow_pickle: bool = False, dense_weights: bool = True) -> STSpec:
+    """Read modules.json and its Pooling / Dense / Normalize modules. Missing Normalize folders are normal.
+    ``dense_weights=False``: the Dense modules' configs only (their ``weight`` None; torch is not imported)."""
     root = Path(path)
     modules = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else []
     pooling, normalize, dense, include_prompt, transformer_dir = None, False, [], True, ""
@@ -154,7 +161,7 @@ def read_st_spec(path: str | Path, *, allow_pickle: bool = False) -> STSpec:
             cfg = _json(folder / "config.json")
             pooling, include_prompt = _pooling(cfg, folder), cfg.get("include_prompt", True)
         elif kind == "Dense":
-            dense.append(_dense(folder, allow_pickle=allow_pickle))
+            dense.append(_dense(folder, allow_pickle=allow_pickle, weights=dense_weights))
         else:  # Normalize
             normalize = True
     sbert = _json(root / transformer_dir / "sentence_bert_config.json")
