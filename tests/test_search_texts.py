@@ -133,10 +133,12 @@ def test_an_unreachable_text_source_gives_ids_and_one_warning(outputs, table, tm
 def test_search_loads_neither_ray_nor_torch_and_its_cold_time_is_measured(outputs, capsys):
     """A fresh interpreter opens the index and answers one query with texts: no ray, transformers or
     sentence_transformers import on that path, nor torch at all (~2 s: MiniLM's queries run in numpy,
-    embedpipe/index/query.py), torch._dynamo or pyarrow.dataset (pq.read_table of the id map):
+    embedpipe/index/query.py), torch._dynamo, pyarrow.dataset (pq.read_table of the id map) or pandas (pa.array
+    and take import it):
     the cold wall time is printed, not asserted (shared CPUs)."""
     code = ("import sys, time, json; t = time.perf_counter(); from embedpipe.index.search import open_index; "
-            "HEAVY = ('ray', 'transformers', 'sentence_transformers', 'torch', 'torch._dynamo', 'pyarrow.dataset'); "
+            "HEAVY = ('ray', 'transformers', 'sentence_transformers', 'torch', 'torch._dynamo', 'pyarrow.dataset', "
+            "'pandas'); "
             f"ix = open_index({str(outputs['parquet'])!r}); [hits] = ix.search(['kernel scheduler'], k=3); "
             "texts = ix.source_texts([i for i, _ in hits]); "
             "print(json.dumps({'seconds': time.perf_counter() - t, 'texts': len(texts), "

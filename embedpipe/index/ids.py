@@ -105,12 +105,18 @@ class IdLookup:
 
     def chunks(self, index_ids: np.ndarray) -> list[tuple[int, int, int]]:
         """(chunk, start, end) of each index id of a chunked index (dense: index id == row)."""
-        rows = self.table.select(["chunk", "start", "end"]).take(pa.array(np.asarray(index_ids, dtype=np.int64)))
-        return list(zip(*(rows.column(name).to_pylist() for name in ("chunk", "start", "end"))))
+        columns = [self.table.column(name) for name in ("chunk", "start", "end")]
+        return [tuple(_at(column, row) for column in columns) for row in np.asarray(index_ids, dtype=np.int64)]
 
     def __call__(self, index_ids: np.ndarray) -> list:
         index_ids = np.asarray(index_ids, dtype=np.int64)
-        if self.native:
-            id_type = self.table.schema.field("id").type
-            return pa.array(index_ids).cast(id_type).to_pylist()
-        return self.table.column("id").take(pa.array(index_ids)).to_pylist()  # dense: index id == row
+        if self.native:  # the input's own integer ids, as Python ints
+            return [int(i) for i in index_ids]
+        column = self.table.column("id")
+        return [_at(column, row) for row in index_ids]  # dense: index id == row
+
+
+def _at(column: pa.ChunkedArray, row: np.int64):
+    """One value, by position: no ``take`` or ``pa.array`` (both import pandas, ~0.3 s of a cold search; a search
+    looks up k ids per query)."""
+    return column[int(row)].as_py()
