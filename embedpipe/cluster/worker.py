@@ -128,7 +128,7 @@ class EmbedWorker:
         rows = ahead.rows
         extra, ids, doc = None, rows.ids, None
         if self.encoder.chunker is not None:
-            ids, vectors, extra, doc = self._embed_chunks(rows, counters)
+            ids, vectors, extra, doc = self._embed_chunks(unit.id, rows, counters)
         elif ahead.reuse is None:
             vectors = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [N, D]
         else:
@@ -180,9 +180,10 @@ class EmbedWorker:
         return vectors, {"content_hash": hashes}
 
 
-    def _embed_chunks(self, rows, counters):
+    def _embed_chunks(self, unit_id: str, rows, counters):
         """input.chunking: one row per chunk, (id, chunk) in document then text order; an incremental run hashes
-        each whole document and reuses all chunks of an unchanged one (the previous version's rows).
+        each whole document and reuses all chunks of an unchanged one (the previous version's rows, found through
+        the night's diff: the unit's previous part and the rows it says moved, as for unchunked units).
         Returns the chunk rows' ids, vectors, extra columns and documents (row index of each chunk)."""
         import numpy as np
         import pyarrow as pa
@@ -195,7 +196,9 @@ class EmbedWorker:
             with counters.time("reuse"):
                 hashes = content_hashes(rows.texts, salt=self.incremental.salt)  # [N] per document
                 if self.previous is not None:
-                    reuse, reused, counters.previous_ids = self.previous.lookup_chunks(rows.ids, hashes)
+                    reuse, reused, counters.previous_ids = self.previous.lookup_unit_chunks(
+                        rows.ids, hashes, same_part=self.incremental.same_part.get(unit_id),
+                        moved=_table(self.incremental.moved.get(unit_id)))
                     fresh = np.flatnonzero(~reuse)
         chunks, vectors = self.encoder.embed_chunks([rows.texts[i] for i in fresh], counters)
         doc = fresh[chunks.doc]  # [C] the document (row) of each fresh chunk

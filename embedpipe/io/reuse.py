@@ -5,9 +5,10 @@ model fingerprint and the vector settings, prompt included: the ``salt``). It is
 the vectors (column ``content_hash``), and a row of the next run whose id and hash match the
 previous version takes that vector instead of being encoded again.
 
-Lookup cost in a run: ``lookup_unit`` with the night's diff (``embedpipe/io/diff.py``): the previous
-part of the same unit, read whole, and for rows that moved only the parts they came from: linear in the
-rows whatever the ids' order. ``lookup`` (no diff: any ids against the whole version) scans the previous
+Lookup cost in a run: ``lookup_unit`` (``lookup_unit_chunks`` for a chunked output, whose chunk rows carry
+their document's hash) with the night's diff (``embedpipe/io/diff.py``): the previous part of the same unit,
+read whole, and for rows that moved only the row groups they came from: linear in the rows whatever the ids'
+order. ``lookup`` (no diff: any ids against the whole version) scans the previous
 version's ``id`` and ``content_hash`` columns where their Parquet statistics overlap the ids' range, then
 reads the part files that hold matches: a few row groups for ids in order, every part for UUIDs.
 """
@@ -63,18 +64,6 @@ class PreviousVectors:
             by_id.update(zip(part["id"].to_pylist(), stored_rows(part)))
         return reuse, np.stack([by_id[i] for i in reused_ids]), previous
 
-    def lookup_chunks(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, pa.Table, int]:
-        """Chunked outputs (input.chunking): ``hashes`` are the documents' (the whole text). (reuse mask [N] over
-        the documents, every chunk row of the reused documents (id, chunk, start, end, embedding; any order),
-        chunk rows of the documents present before): an unchanged document reuses all of its chunks, a changed
-        one none."""
-        reuse, files, _, previous = self._match(ids, hashes)
-        reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
-        columns = ["id", "chunk", "start", "end", "embedding"]
-        parts = [pq.read_table(file, columns=columns, filters=[("id", "in", reused_ids)], filesystem=self.filesystem)
-                 for file in files] if reused_ids else []
-        return reuse, (pa.concat_tables(parts) if parts else None), previous
-
     def _match(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, list[str], int, int]:
         """(reuse mask [N]: the id is there with the same hash, the part files holding them, ids present before,
         their rows: one per id, or per chunk in a chunked output)."""
@@ -90,28 +79,51 @@ class PreviousVectors:
         """``lookup``'s answer for one unit from the night's diff: ``same_part`` (the index of the previous part
         of the same unit, read whole) and ``moved`` (id, part index, row in it: rows found in other parts,
         of which only the row groups holding them are read). No other part is opened."""
+        return _match_found(ids, hashes, self._found(same_part, moved, columns=["id", "content_hash", "embedding"]))
+
+    def lookup_unit_chunks(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,
+                           moved: pa.Table | None) -> tuple[np.ndarray, pa.Table | None, int]:
+        """Chunked outputs (input.chunking), from the night's diff as ``lookup_unit``: ``hashes`` are the documents'
+        (the whole text, which every chunk row of a document carries). (reuse mask [N] over the documents, every
+        chunk row of the reused documents (id, chunk, start, end, embedding; any order), chunk rows of the
+        documents present before): an unchanged document reuses all of its chunks, a changed one none."""
+        found = [t for t in self._found(same_part, moved, columns=CHUNK_COLUMNS) if t.num_rows]
+        if not found:
+            return np.zeros(len(ids), dtype=bool), None, 0
+        table = pa.concat_tables(found).filter(pc.is_in(pc.field("id"), value_set=ids))  # chunk rows of these ids
+        before = dict(zip(table["id"].to_pylist(), table["content_hash"].to_pylist()))  # document -> its hash
+        reuse = np.array([before.get(i, _ABSENT) == h for i, h in zip(ids.to_pylist(), hashes.to_pylist())],
+                         dtype=bool)
+        reused = table.filter(pc.is_in(pc.field("id"), value_set=ids.filter(pa.array(reuse))))
+        return reuse, (reused.drop_columns(["content_hash"]) if reused.num_rows else None), table.num_rows
+
+    def _found(self, same_part: int | None, moved: pa.Table | None, *, columns: list[str]) -> list[pa.Table]:
+        """The unit's previous part (read whole) and the rows found elsewhere (only their row groups)."""
         found = []
         if same_part is not None:
-            found.append(pq.read_table(self.files[same_part], columns=["id", "content_hash", "embedding"],
-                                       filesystem=self.filesystem))
+            found.append(pq.read_table(self.files[same_part], columns=columns, filesystem=self.filesystem))
         if moved is not None and moved.num_rows:
             for part in np.unique(moved["part"].to_numpy()):
                 rows = pc.filter(moved["row"], pc.equal(moved["part"], int(part))).to_numpy()
-                found.append(self._rows(int(part), rows))
-        return _match_found(ids, hashes, found)
+                found.append(self._rows(int(part), rows, columns=columns))
+        return found
 
-    def _rows(self, part: int, rows: np.ndarray) -> pa.Table:
+    def _rows(self, part: int, rows: np.ndarray, *, columns: list[str]) -> pa.Table:
         """These rows of one part (positions in it): only the row groups that hold them are read."""
         source = self.files[part] if self.filesystem is None else self.filesystem.open_input_file(self.files[part])
         with pq.ParquetFile(source) as pf:
             sizes = np.array([pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
             starts = np.concatenate([[0], np.cumsum(sizes)])  # [G + 1]
             groups = np.unique(np.searchsorted(starts, rows, side="right") - 1)
-            table = pf.read_row_groups(groups.tolist(), columns=["id", "content_hash", "embedding"])
+            table = pf.read_row_groups(groups.tolist(), columns=columns)
         offsets = np.concatenate([[0], np.cumsum(sizes[groups])])  # where each read group starts in table
         local = offsets[np.searchsorted(groups, np.searchsorted(starts, rows, side="right") - 1)] \
             + rows - starts[np.searchsorted(starts, rows, side="right") - 1]
         return table.take(pa.array(local))
+
+
+CHUNK_COLUMNS = ["id", "content_hash", "chunk", "start", "end", "embedding"]  # a chunked part's reusable columns
+_ABSENT = object()  # no previous hash: never equal to tonight's
 
 
 def stored_rows(part: pa.Table) -> np.ndarray:
