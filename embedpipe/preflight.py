@@ -21,7 +21,6 @@ skips their rows (``embedpipe/io/rows.py``).
 
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +35,7 @@ from embedpipe.errors import BadJob
 from embedpipe.index.factory import FactoryError, parse_factory
 from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
 from embedpipe.io import fs
+from embedpipe.io.duplicates import IdOccurrences, id_keys
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.describe import ModelRecord, OutputDescription, describe
 from embedpipe.io.quantize import Calibration, stored_type
@@ -316,25 +316,16 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
 
     On the same read of every unit's ids: one id type across the input, and no null id under
     ``on_bad_row: error``. Null ids are left out of the duplicate search."""
-    keys, owners = [], []  # per unit: [n, 2] uint64 keys of its non-null ids; (unit index, local row) of each
     first: tuple[str, pa.DataType] | None = None  # the first unit's file and id type
-    for u, (unit, ids) in enumerate(zip(units, _read_ids(units, reader=reader, id_column=id_column))):
-        first = first or (unit.file, ids.type)
-        _check_id_type(first, unit.file, ids.type, id_column=id_column)
-        valid = ~ids.is_null().to_numpy(zero_copy_only=False)
-        if on_bad_row == "error" and not valid.all():
-            raise null_id_error(unit.file, unit.row_start + int(np.flatnonzero(~valid)[0]))
-        keys.append(_id_keys(ids)[valid])
-        owners.append(np.stack([np.full(len(ids), u), np.arange(len(ids))], axis=1)[valid])
-    if not keys:
-        return units, 0
-    key = np.concatenate(keys)  # [N, 2]
-    owner = np.concatenate(owners)  # [N, 2]
-    order = np.lexsort((key[:, 1], key[:, 0]))  # stable: equal keys stay in input order
-    k = key[order]
-    later = np.zeros(len(order), dtype=bool)
-    later[1:] = (k[1:] == k[:-1]).all(axis=1)  # same key as the previous row in sorted order
-    dup_rows = owner[np.sort(order[later])]  # [D, 2] the second and later occurrences, input order
+    with IdOccurrences(rows=sum(u.num_rows for u in units)) as seen:  # bounded memory (embedpipe/io/duplicates.py)
+        for u, (unit, ids) in enumerate(zip(units, _read_ids(units, reader=reader, id_column=id_column))):
+            first = first or (unit.file, ids.type)
+            _check_id_type(first, unit.file, ids.type, id_column=id_column)
+            valid = ~ids.is_null().to_numpy(zero_copy_only=False)
+            if on_bad_row == "error" and not valid.all():
+                raise null_id_error(unit.file, unit.row_start + int(np.flatnonzero(~valid)[0]))
+            seen.add(id_keys(ids)[valid], unit=u, rows=np.flatnonzero(valid))
+        dup_rows = seen.later()  # [D, 2] (unit, row) of the second and later occurrences, input order
     if not len(dup_rows):
         return units, 0
     if policy == "error":
@@ -369,19 +360,3 @@ def _check_id_type(first: tuple[str, pa.DataType], file: str, id_type: pa.DataTy
                          f"{id_type}: cast the ids to one type in every file (the output keeps the ids' type)")
 
 
-def _id_keys(ids: pa.Array) -> np.ndarray:
-    """Two uint64 words per id: the value itself for integers, else 128 bits of blake2b of its text.
-
-    Each id is keyed by its value alone, so a null elsewhere in the unit changes no key; a null
-    row gets a key too (callers leave it out)."""
-    if pa.types.is_integer(ids.type):
-        values = pc.fill_null(ids, 0).to_numpy().astype(np.int64).view(np.uint64)
-        return np.stack([values, np.zeros_like(values)], axis=1)
-    digests = b"".join(hashlib.blake2b(_id_bytes(v), digest_size=16).digest() for v in ids.to_pylist())
-    return np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2)
-
-
-def _id_bytes(value) -> bytes:
-    if isinstance(value, bytes):
-        return b"b" + value
-    return b"s" + repr(value).encode()
