@@ -82,3 +82,23 @@ def test_no_auto_choice_trains_pq_or_opq_on_fewer_than_10000_vectors(tmp_path, d
             for spec in plan.candidates:
                 if spec.pq_m or spec.opq_m:
                     assert plan.train_rows(spec) >= PQ_MIN_TRAIN_ROWS, (rows, budget, dim, spec.factory)
+
+
+def test_a_chunked_runs_auto_index_is_chosen_for_its_chunks(tmp_path):
+    """Preflight counts documents; the parts hold chunks: auto chooses again for what is there (Flat fits 600
+    documents in 1.2 MB, not the 3,000 chunks they were cut into), and an unchunked run keeps its candidates."""
+    from embedpipe.index.plan import plan_for_vectors
+
+    budget = dict(index="auto", index_memory_gb=0.0012)
+    documents = plan_index(_job(tmp_path, **budget), rows=600, model=MINILM)
+    assert documents.candidates[0].factory == "Flat"
+    chunked = load_job(write_job(tmp_path / "chunked.yaml", input={"path": str(QUICKSTART),
+                                                                   "chunking": {"mode": "split"}},
+                                 model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
+                                 output={"path": str(tmp_path / "out"), "format": "both", **budget}))
+    chunks = plan_for_vectors(chunked, documents, rows=3000)
+    assert chunks.rows == 3000 and chunks.candidates[0].factory != "Flat"
+    assert chunks.candidates[0].memory_bytes(3000, DIM) <= chunks.budget_bytes
+    assert chunks.candidates == plan_index(chunked, rows=3000, model=MINILM).candidates
+    kept = plan_for_vectors(_job(tmp_path, **budget), documents, rows=590)  # 10 rows skipped: same choice
+    assert kept.rows == 590 and kept.candidates == documents.candidates

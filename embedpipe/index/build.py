@@ -37,7 +37,7 @@ from embedpipe.index.ids import IdMapWriter, IdPlan, NativeIdCheck, plan_ids
 from embedpipe.index.merge import merge_in_memory, merge_on_disk
 from embedpipe.index.parts import (Part, Sample, UniformSampler, existing_parts, read_chunk_columns, read_ids,
                                     read_vectors)
-from embedpipe.index.plan import IndexPlan
+from embedpipe.index.plan import IndexPlan, plan_for_vectors
 from embedpipe.index.recall import TIE_SLACK, ExactNeighbours, Neighbours, Tuning, tune
 from embedpipe.index.shard import ShardBuilder, ShardContext, ShardResult
 from embedpipe.index.train import train_index
@@ -120,7 +120,7 @@ class IndexBuild:
         if previous is not None:
             log.warning("index: %s already holds the index of these parts; kept", self.dir)
             return previous
-        self.plan = dataclasses.replace(self.plan, rows=sum(p.rows for p in self.parts))
+        self.plan = plan_for_vectors(self.job, self.plan, rows=sum(p.rows for p in self.parts))  # chunks: re-chosen
         self.k = min(K, self.plan.rows - 1)
         self.run_shards = None if self.remote else run_shards  # object stores: shards in this process's temp
         self.target.store.remove(self.target.meta)  # not finished until written again

@@ -21,7 +21,7 @@ smaller codes are not, and why no refine stage is added inside a budget).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from embedpipe.config import JobError, JobSpec
@@ -86,6 +86,17 @@ def cheap_to_train(spec: IndexSpec, *, rows: int, dim: int, budget_bytes: int) -
     if not (spec.pq_m or spec.opq_m):
         return True
     return train_rows(spec, rows=rows, dim=dim, budget_bytes=budget_bytes) >= PQ_MIN_TRAIN_ROWS
+
+
+def plan_for_vectors(job: JobSpec, plan: IndexPlan, *, rows: int) -> IndexPlan:
+    """The plan for the vectors the parts really hold (``rows``, read from them after the run). A chunked run's
+    auto index is chosen again for its chunk count: preflight could count only the documents, and a
+    corpus of N documents may be cut into several times N chunks (another index, or over the budget:
+    JobError names output.index_memory_gb). Otherwise the same candidates, with the rows updated."""
+    if plan.auto and job.input.chunking.mode != "off" and rows != plan.rows:
+        facts = ModelFacts(dim=plan.dim, normalize=plan.metric == "inner_product", query_prompt=plan.query_prompt)
+        return plan_index(job, rows=rows, model=facts)
+    return replace(plan, rows=rows)
 
 
 def plan_index(job: JobSpec, *, rows: int, model: ModelFacts) -> IndexPlan:
