@@ -21,7 +21,8 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import connect, expected_workers, plan_workers, submitted_job_address
+from embedpipe.cluster.connect import (abandon_early, connect, expected_workers, plan_workers, shutdown,
+                                      start_early, submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
@@ -37,7 +38,7 @@ from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_salt
 from embedpipe.io.quantize import Calibration, read_record
-from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
+from embedpipe.io.ownership import check_output, claim_output, is_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
@@ -67,19 +68,47 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     SIGTERM (Airflow, Kubernetes) stops it as Ctrl-C does: the lock is released, Ray shut down, finished
     units kept; it raises `Interrupted` with how many of the plan's units are done.
     """
+    clock = RunClock.now()  # the run's wall time and start-up count from here: its checks and Ray's start included
     job = settle_dtype(job)
     with _signals_interrupt():
         use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
-        plan = preflight(job, workers=expected_workers(job.cluster).workers)  # bad files, ids or model: fail here
+        plan = None
         try:
+            # bad files, ids or model: fail here (a new output's Ray starts once the input has passed)
+            plan = preflight(job, workers=expected_workers(job.cluster).workers, before_model=lambda: _ray_early(job))
             with OutputLock(job.output.path, mode=job.output.lock) as lock:
                 if job.output.versioned:
-                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock)
-                return _run_once(job, plan, progress=progress, overwrite=overwrite)
+                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock, clock=clock)
+                return _run_once(job, plan, progress=progress, overwrite=overwrite, clock=clock)
         except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
+            if plan is None:  # in preflight: nothing was written
+                raise
             raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
                               total=len(plan.units)) from None
+        finally:
+            abandon_early()  # a start that no connect took over (a refused model): shut down
+
+
+def _ray_early(job: JobSpec) -> None:
+    """A new output has every unit to encode: its Ray starts now on a thread (``start_early``), and the ~5 s of
+    an embedded Ray's start overlap the model's resolution (torch imported, the model read); ``_run_once``'s
+    ``connect`` takes it over. An existing output (a resume, a nightly version) may have nothing left to
+    encode: its Ray starts when it is needed, as before."""
+    if not is_output(tree_path(job.output.path)):
+        start_early(job.cluster)
+
+
+@dataclass(frozen=True)
+class RunClock:
+    """When a run started, on both clocks: ``perf`` (time.perf_counter, for durations) and ``wall`` (time.time)."""
+
+    perf: float
+    wall: float
+
+    @classmethod
+    def now(cls) -> "RunClock":
+        return cls(perf=time.perf_counter(), wall=time.time())
 
 
 def settle_dtype(job: JobSpec) -> JobSpec:
@@ -139,7 +168,8 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
         return None
 
 
-def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, lock: OutputLock) -> RunResult:
+def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, lock: OutputLock,
+                   clock: RunClock | None = None) -> RunResult:
     root = tree_path(job.output.path)
     claim_output(root, kind="versioned")
     if overwrite:
@@ -156,7 +186,8 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
             log.warning("incremental run re-encodes every row: %s", reencode_reason)
     version_job = job.replace(output={"path": str(OutputLayout(root).version(version).root)})
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
-                       previous_rows=versions.previous_rows(root) if incremental else 0, fingerprint=fingerprint)
+                       previous_rows=versions.previous_rows(root) if incremental else 0, fingerprint=fingerprint,
+                       clock=clock)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
     lock.confirm()  # a run whose lock was taken over never moves CURRENT
     versions.promote(root, version)
@@ -171,10 +202,12 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
 
 
 def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
-              previous_rows: int = 0, fingerprint: dict | None = None) -> RunResult:
+              previous_rows: int = 0, fingerprint: dict | None = None, clock: RunClock | None = None) -> RunResult:
     """``fingerprint``: the job's, when the caller has it already (it leaves output.path out, so a version
-    folder's is its root's): the model's files and the input stamps are then read once per run."""
-    started, started_at = time.perf_counter(), time.time()
+    folder's is its root's): the model's files and the input stamps are then read once per run. ``clock``: when
+    the run started (run_job's entry, before preflight); None: now."""
+    clock = clock or RunClock.now()
+    started, started_at = clock.perf, clock.wall
     index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
     output = tree_path(job.output.path)
     OutputLayout(output).store.mkdir(output)
@@ -242,7 +275,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
             if started_ray:
-                ray.shutdown()
+                shutdown()
     else:
         record = read_record(output) or {}  # the calibration of the finished run, for its record
         calibration = Calibration(**record["calibration"]) if "calibration" in record else None
@@ -304,7 +337,7 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
         return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster)))
     finally:
         if started_ray:
-            ray.shutdown()
+            shutdown()
 
 
 def _finish_parts(manifest: Manifest, units: list[Unit]) -> dict[str, dict]:
