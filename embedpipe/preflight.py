@@ -24,7 +24,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -130,13 +130,11 @@ class RunPlan:
 Plan = RunPlan  # the name callers used before RunPlan carried the model and index facts
 
 
-def preflight(job: JobSpec, *, workers: int | None = None, before_model: Callable[[], None] | None = None) -> RunPlan:
+def preflight(job: JobSpec, *, workers: int | None = None) -> RunPlan:
     """Check the job against its output, input and model, in that order of cost; the run's plan.
 
     ``workers``: how many workers will share the units (the driver's estimate before it starts Ray,
-    embedpipe/cluster/connect.py: expected_workers); default cluster.workers, else 1. ``before_model``: called
-    once the output and the input have passed, before the model's resolution (the driver starts Ray there, so
-    that its start overlaps the rest; a bad input is refused before Ray is started)."""
+    embedpipe/cluster/connect.py: expected_workers); default cluster.workers, else 1."""
     workers = workers or job.cluster.workers or 1
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
@@ -147,8 +145,6 @@ def preflight(job: JobSpec, *, workers: int | None = None, before_model: Callabl
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(inputs.units, reader=reader, id_column=job.input.id_column,
                                          policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
-    if before_model is not None:
-        before_model()
     model = plan_model(job)
     index = None
     if job.output.format != "parquet":

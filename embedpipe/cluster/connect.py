@@ -25,14 +25,7 @@ class WorkerPlan:
 
 
 def connect(cfg: ClusterConfig) -> bool:
-    """Make sure Ray is up; returns True when this call started it (so the caller shuts it down). A start
-    under way on a thread (``start_early``) is waited for and taken over: True when that thread started Ray."""
-    early = _take_early()
-    if early is not None:
-        try:
-            return early.result()
-        finally:  # Ray's core replaced SIGTERM's handler from the thread: the driver's own come back
-            _restore(early.handlers)
+    """Make sure Ray is up; returns True when this call started it (so the caller shuts it down)."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -41,99 +34,13 @@ def connect(cfg: ClusterConfig) -> bool:
     return True
 
 
-class _EarlyStart:
-    """``connect`` on a thread: Ray's start (~5 s for an embedded one, most of it waiting on its processes)
-    overlaps what the driver does meanwhile. The thread then stays parked until ``shutdown``: the processes an
-    embedded Ray starts die with the thread that started them (their parent-death signal is the thread's), so
-    it must outlive them. Ray's core installs its SIGTERM handler even from a thread: the connect that takes the
-    start over puts the driver's own back (until then, a SIGTERM during the model's resolution ends the process
-    as Ray's handler does: nothing was written yet)."""
-
-    def __init__(self, cfg: ClusterConfig):
-        self.started: bool | None = None
-        self.error: BaseException | None = None
-        self.ready, self.release = threading.Event(), threading.Event()
-        self.handlers = _handlers()  # the driver's, put back by the connect that takes this start over
-        self.thread = threading.Thread(target=self._run, args=(cfg,), name="embedpipe-ray-start", daemon=True)
-        self.thread.start()
-
-    def _run(self, cfg: ClusterConfig) -> None:
-        try:
-            os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-            _init(cfg)
-            self.started = True
-        except BaseException as exc:  # noqa: BLE001 - raised where the driver connects
-            self.error = exc
-        self.ready.set()
-        if self.started:
-            self.release.wait()  # until Ray is shut down
-
-    def result_quietly(self) -> bool:
-        """``result`` without raising: whether this thread started Ray."""
-        self.ready.wait()
-        return bool(self.started)
-
-    def result(self) -> bool:
-        """Waits for the start; True when this thread started Ray (the caller shuts it down with ``shutdown``)."""
-        self.ready.wait()
-        if self.error is not None:
-            raise self.error
-        return bool(self.started)
-
-
-_EARLY: list[_EarlyStart] = []  # the start under way, until a connect takes it over or abandon_early ends it
-_PARKED: list[_EarlyStart] = []  # started early and taken over: released by shutdown
-
-
-def start_early(cfg: ClusterConfig) -> None:
-    """Start Ray on a thread now, as ``connect(cfg)`` would; the next ``connect`` waits for it and owns it. Nothing
-    when Ray is up already (a notebook's, a test session's) or a start is under way."""
-    if not _EARLY and not ray.is_initialized():
-        _EARLY.append(_EarlyStart(cfg))
-
-
-def abandon_early() -> None:
-    """A start nobody connected to (preflight refused the model): wait for it, shut Ray down."""
-    early = _take_early()
-    if early is not None and early.result_quietly():
-        _restore(early.handlers)
-        shutdown()
-
-
-def shutdown() -> None:
-    """``ray.shutdown()``, then the thread that started it early (if one did) may end."""
-    ray.shutdown()
-    while _PARKED:
-        parked = _PARKED.pop()
-        parked.release.set()
-        parked.thread.join()
-
-
-def _take_early() -> _EarlyStart | None:
-    """The start under way, now the caller's: its thread is parked until ``shutdown``."""
-    if not _EARLY:
-        return None
-    early = _EARLY.pop()
-    _PARKED.append(early)
-    return early
-
-
 @contextmanager
 def _keep_signal_handlers() -> Iterator[None]:
     """ray.init replaces SIGTERM's handler (sys.exit, behind a C++ stack dump, exit 134 or 15): a SIGTERM or
     SIGINT handler the driver set from Python (run_job's interrupt) is put back, so a signal stops the run
     cleanly. Handlers nobody set (the defaults) are left as Ray set them."""
-    ours = _handlers()
+    ours = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     yield
-    _restore(ours)
-
-
-def _handlers() -> dict:
-    return {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-
-def _restore(ours: dict) -> None:
-    """Put back the Python handlers the driver set (main thread only: elsewhere Python cannot set one)."""
     if threading.current_thread() is not threading.main_thread():
         return
     for signum, handler in ours.items():

@@ -21,8 +21,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import (abandon_early, connect, expected_workers, plan_workers, shutdown,
-                                      start_early, submitted_job_address)
+from embedpipe.cluster.connect import connect, expected_workers, plan_workers, submitted_job_address
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
@@ -38,7 +37,7 @@ from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_salt
 from embedpipe.io.quantize import Calibration, read_record
-from embedpipe.io.ownership import check_output, claim_output, is_output, sweep_temporaries
+from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
@@ -73,30 +72,15 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     with _signals_interrupt():
         use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
-        plan = None
+        plan = preflight(job, workers=expected_workers(job.cluster).workers)  # bad files, ids or model: fail here
         try:
-            # bad files, ids or model: fail here (a new output's Ray starts once the input has passed)
-            plan = preflight(job, workers=expected_workers(job.cluster).workers, before_model=lambda: _ray_early(job))
             with OutputLock(job.output.path, mode=job.output.lock) as lock:
                 if job.output.versioned:
                     return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock, clock=clock)
                 return _run_once(job, plan, progress=progress, overwrite=overwrite, clock=clock)
         except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
-            if plan is None:  # in preflight: nothing was written
-                raise
             raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
                               total=len(plan.units)) from None
-        finally:
-            abandon_early()  # a start that no connect took over (a refused model): shut down
-
-
-def _ray_early(job: JobSpec) -> None:
-    """A new output has every unit to encode: its Ray starts now on a thread (``start_early``), and the ~5 s of
-    an embedded Ray's start overlap the model's resolution (torch imported, the model read); ``_run_once``'s
-    ``connect`` takes it over. An existing output (a resume, a nightly version) may have nothing left to
-    encode: its Ray starts when it is needed, as before."""
-    if not is_output(tree_path(job.output.path)):
-        start_early(job.cluster)
 
 
 @dataclass(frozen=True)
@@ -275,7 +259,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
             if started_ray:
-                shutdown()
+                ray.shutdown()
     else:
         record = read_record(output) or {}  # the calibration of the finished run, for its record
         calibration = Calibration(**record["calibration"]) if "calibration" in record else None
@@ -337,7 +321,7 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
         return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster)))
     finally:
         if started_ray:
-            shutdown()
+            ray.shutdown()
 
 
 def _finish_parts(manifest: Manifest, units: list[Unit]) -> dict[str, dict]:
