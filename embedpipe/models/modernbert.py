@@ -176,7 +176,7 @@ class ModernBertModel(nn.Module):
     config_class: ClassVar[type] = ModernBertConfig
 
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("model.",)  # ModernBertForX dumps
-    # checkpoint name -> ours (see BertModel.WEIGHT_MAP for the notation)
+    # checkpoint name -> ours (the notation: BERT_WEIGHT_MAP in embedpipe/models/bert_config.py)
     WEIGHT_MAP: ClassVar[dict[str, str | tuple[str, int] | None]] = {
         "embeddings.tok_embeddings.weight": "embed.tok.weight",
         "embeddings.norm.weight": "embed.norm.weight",

@@ -160,7 +160,7 @@ class Qwen3Model(nn.Module):
     config_class: ClassVar[type] = Qwen3Config
 
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = ("model.",)  # Qwen3ForCausalLM dumps; Qwen3Model has none
-    # checkpoint name -> ours (see BertModel.WEIGHT_MAP for the notation)
+    # checkpoint name -> ours (the notation: BERT_WEIGHT_MAP in embedpipe/models/bert_config.py)
     WEIGHT_MAP: ClassVar[dict[str, str | tuple[str, int] | None]] = {
         "embed_tokens.weight": "embed.weight",
         "layers.{}.input_layernorm.weight": "layers.{}.attn_norm.weight",
