@@ -91,9 +91,7 @@ class PreviousVectors:
         if not found:
             return np.zeros(len(ids), dtype=bool), None, 0
         table = pa.concat_tables(found).filter(pc.is_in(pc.field("id"), value_set=ids))  # chunk rows of these ids
-        before = dict(zip(table["id"].to_pylist(), table["content_hash"].to_pylist()))  # document -> its hash
-        reuse = np.array([before.get(i, _ABSENT) == h for i, h in zip(ids.to_pylist(), hashes.to_pylist())],
-                         dtype=bool)
+        reuse, _, _ = _same_hash(ids, hashes, table)
         reused = table.filter(pc.is_in(pc.field("id"), value_set=ids.filter(pa.array(reuse))))
         return reuse, (reused.drop_columns(["content_hash"]) if reused.num_rows else None), table.num_rows
 
@@ -123,7 +121,6 @@ class PreviousVectors:
 
 
 CHUNK_COLUMNS = ["id", "content_hash", "chunk", "start", "end", "embedding"]  # a chunked part's reusable columns
-_ABSENT = object()  # no previous hash: never equal to tonight's
 
 
 def stored_rows(part: pa.Table) -> np.ndarray:
@@ -138,18 +135,25 @@ def _match_found(ids: pa.Array, hashes: pa.Array, found: list[pa.Table]) -> tupl
     if not found:
         return np.zeros(len(ids), dtype=bool), np.zeros((0, 0), np.float32), 0
     table = pa.concat_tables(found)
-    at = pc.index_in(ids, value_set=table["id"])  # [N] row of each id in table, null where absent
-    present = at.is_valid().to_numpy(zero_copy_only=False)
-    reuse = np.zeros(len(ids), dtype=bool)
-    rows = pc.drop_null(at)
-    same = pc.equal(table["content_hash"].take(rows), pc.filter(hashes, at.is_valid()))
-    reuse[np.flatnonzero(present)] = same.to_numpy(zero_copy_only=False)
+    reuse, at, present = _same_hash(ids, hashes, table)
     if not reuse.any():
         return reuse, np.zeros((0, 0), np.float32), int(present.sum())
     picked = table["embedding"].take(pc.filter(at, pa.array(reuse))).combine_chunks()  # [R] fixed-size lists
     width = picked.type.list_size
     vectors = np.asarray(picked.flatten().to_numpy(zero_copy_only=False)).reshape(len(picked), width)
     return reuse, vectors, int(present.sum())
+
+
+def _same_hash(ids: pa.Array, hashes: pa.Array, table: pa.Table) -> tuple[np.ndarray, pa.Array, np.ndarray]:
+    """(reuse mask [N]: the id is in ``table`` with the same content hash, the row of each id in ``table`` (its first;
+    null where absent), present mask [N]). A chunked part's rows of one document all carry its hash: the first
+    one answers for the document."""
+    at = pc.index_in(ids, value_set=table["id"])  # [N] row of each id in table, null where absent
+    present = at.is_valid().to_numpy(zero_copy_only=False)
+    reuse = np.zeros(len(ids), dtype=bool)
+    same = pc.equal(table["content_hash"].take(pc.drop_null(at)), pc.filter(hashes, at.is_valid()))
+    reuse[np.flatnonzero(present)] = same.to_numpy(zero_copy_only=False)
+    return reuse, at, present
 
 
 def _id_filter(ids: pa.Array) -> pc.Expression:
