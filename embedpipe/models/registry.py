@@ -21,7 +21,7 @@ def register(*model_types: str) -> Callable[[M], M]:
 
     def deco(cls: M) -> M:
         for name in model_types:
-            if name in MODEL_REGISTRY and MODEL_REGISTRY[name] is not cls:
+            if name in MODEL_REGISTRY:
                 raise ValueError(f"model_type {name!r} is already registered to {MODEL_REGISTRY[name].__name__}")
             MODEL_REGISTRY[name] = cls
         return cls
