@@ -34,7 +34,6 @@ class NumpyQueryEncoder:
             raise ValueError(f"pooling {pooling!r} is not one of {NUMPY_POOLING}")
         self.model, self.tokenizer, self.pooling = model, tokenizer, pooling
         self.normalize, self.dim, self.skip_tokens = normalize, dim, skip_tokens
-        self.name = "numpy"
 
     def embed(self, texts: list[str]) -> np.ndarray:
         if not texts:

@@ -113,7 +113,7 @@ class OpenedIndex:
         if self._encoder is None:
             model = self._query_model()
             self._encoder = self._numpy_encoder(model) or self._torch_encoder(model)
-            log.debug("query encoder: %s", getattr(self._encoder, "name", "torch"))
+            log.debug("query encoder: %s", type(self._encoder).__name__)
         return self._encoder
 
     def _numpy_encoder(self, model):
