@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from bench_sample import cpu_description, load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
@@ -128,31 +129,6 @@ def matmul_dtype(kind: str) -> str:
     if kind in ("st", "onnx", "openvino-f32", "cli"):
         return "float32"
     return "bfloat16" if kind == "openvino-bf16" else kind.partition("-")[0]
-
-
-def cpu_description() -> str:
-    """The CPU's model name and its matmul-relevant flags (/proc/cpuinfo, Linux)."""
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-    have = [f for f in wanted if f in flags]
-    return f"{model}, {os.cpu_count()} logical CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
-
-
-def load_texts(args: argparse.Namespace) -> list[str]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(args.corpus, columns=["text"])
-    rows = np.random.default_rng(args.seed).choice(table.num_rows, min(args.rows, table.num_rows), replace=False)
-    return table["text"].take(np.sort(rows)).to_pylist()
 
 
 def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Callable[[list[str]], np.ndarray]:

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from bench_sample import cpu_description, load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
@@ -49,9 +49,7 @@ def sample(args: argparse.Namespace, folder: Path) -> tuple[Path, list[str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(args.corpus, columns=["text"])
-    rows = np.random.default_rng(args.seed).choice(table.num_rows, min(args.rows, table.num_rows), replace=False)
-    texts = table["text"].take(np.sort(rows)).to_pylist()
+    texts = load_texts(args)
     path = folder / "sample.parquet"
     pq.write_table(pa.table({"id": [f"p{i:06d}" for i in range(len(texts))], "text": texts}), path,
                    row_group_size=max(args.unit_rows // 2, 1))
@@ -120,7 +118,7 @@ def main() -> int:
         folder = Path(tmp)
         data, texts = sample(args, folder)
         engine = {t: engine_tokens_per_s(texts, threads=t, repeats=args.repeats)[0] for t in sorted({c for _, c in layouts})}
-        print(f"engine (in process, float32): " + ", ".join(f"{t} threads {v:,.0f} tokens/s" for t, v in engine.items()),
+        print("engine (in process, float32): " + ", ".join(f"{t} threads {v:,.0f} tokens/s" for t, v in engine.items()),
               file=sys.stderr)
         jobs = {f"{w}x{c}": (write_job(folder, f"s{w}x{c}", data=data, unit_rows=args.unit_rows, workers=w, cpus=c), c)
                 for w, c in layouts}
@@ -141,7 +139,7 @@ def main() -> int:
                     if key not in best or r["wall_s"] < best[key]["wall_s"]:
                         best[key] = r
     print(f"\n{len(texts):,} rows of {args.corpus.name} (seed {args.seed}), unit_rows {args.unit_rows}; "
-          f"best of {args.repeats}; load average at start {load:.2f}; CPU: {cpu_model()}\n")
+          f"best of {args.repeats}; load average at start {load:.2f}; CPU: {cpu_description()}\n")
     print("| tree | layout | wall | start-up | units | tokens/s (start-up subtracted) | × engine | scaling efficiency |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (name, layout), r in best.items():
@@ -154,13 +152,6 @@ def main() -> int:
         args.json.write_text(json.dumps({"engine": engine, "runs": [{"tree": n, "layout": l, **r}
                                                                     for (n, l), r in best.items()]}, indent=2))
     return 0
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_sample import load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
@@ -33,14 +34,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed passes (best kept) for eager vs compiled")
     p.add_argument("--compile", action="store_true", help="also time torch.compile(dynamic=True) of each layer")
     return p.parse_args()
-
-
-def load_texts(args) -> list[str]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(args.corpus, columns=["text"])
-    rows = np.random.default_rng(args.seed).choice(table.num_rows, min(args.rows, table.num_rows), replace=False)
-    return table["text"].take(np.sort(rows)).to_pylist()
 
 
 def profile(encoder, texts: list[str], *, top: int) -> None:

@@ -1,0 +1,36 @@
+"""What the CPU benchmarks share (bench_cpu.py, bench_pipeline.py, profile_cpu.py): the seeded sample of the
+corpus every contender gets, and the line that names the machine."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def load_texts(args) -> list[str]:
+    """``args.rows`` texts of the Parquet file ``args.corpus`` (its ``text`` column), drawn with ``args.seed``,
+    in file order."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(args.corpus, columns=["text"])
+    rows = np.random.default_rng(args.seed).choice(table.num_rows, min(args.rows, table.num_rows), replace=False)
+    return table["text"].take(np.sort(rows)).to_pylist()
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its matmul-relevant flags (/proc/cpuinfo, Linux)."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    have = [f for f in wanted if f in flags]
+    return f"{model}, {os.cpu_count()} logical CPUs; flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
