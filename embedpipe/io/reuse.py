@@ -53,7 +53,7 @@ class PreviousVectors:
 
         The vectors keep their stored type (float32, float16, int8, uint8): the salt covers output.dtype
         and output.dim, so a reused row always has the type and width of the run's fresh rows."""
-        reuse, files, previous, _ = self._match(ids, hashes)
+        reuse, files, previous = self._match(ids, hashes)
         if not reuse.any():
             return reuse, np.zeros((0, 0), np.float32), previous
         reused_ids = [i for i, r in zip(ids.to_pylist(), reuse) if r]
@@ -64,15 +64,12 @@ class PreviousVectors:
             by_id.update(zip(part["id"].to_pylist(), stored_rows(part)))
         return reuse, np.stack([by_id[i] for i in reused_ids]), previous
 
-    def _match(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, list[str], int, int]:
-        """(reuse mask [N]: the id is there with the same hash, the part files holding them, ids present before,
-        their rows: one per id, or per chunk in a chunked output)."""
+    def _match(self, ids: pa.Array, hashes: pa.Array) -> tuple[np.ndarray, list[str], int]:
+        """(reuse mask [N]: the id is there with the same hash, the part files holding them, ids present before)."""
         found = self.dataset.to_table(columns=["id", "content_hash", "__filename"], filter=_id_filter(ids))
-        previous = dict(zip(found["id"].to_pylist(), zip(found["content_hash"].to_pylist(),
-                                                         found["__filename"].to_pylist())))
-        wanted = [previous.get(i) for i in ids.to_pylist()]
-        reuse = np.array([w is not None and w[0] == h for w, h in zip(wanted, hashes.to_pylist())], dtype=bool)
-        return reuse, sorted({wanted[k][1] for k in np.flatnonzero(reuse)}), len(previous), found.num_rows
+        reuse, at, present = _same_hash(ids, hashes, found)
+        files = found["__filename"].take(pc.filter(at, pa.array(reuse))).to_pylist()
+        return reuse, sorted(set(files)), int(present.sum())
 
     def lookup_unit(self, ids: pa.Array, hashes: pa.Array, *, same_part: int | None,
                     moved: pa.Table | None) -> tuple[np.ndarray, np.ndarray, int]:
