@@ -10,7 +10,9 @@ import json
 import re
 from functools import cache
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
+
+T = TypeVar("T")  # a tensor: torch's or numpy's
 
 # old TF-era checkpoints name LayerNorm parameters gamma / beta
 LEGACY_SUFFIXES: dict[str, str] = {".gamma": ".weight", ".beta": ".bias"}
@@ -56,3 +58,23 @@ def our_name(name: str, *, weight_map: Mapping[str, Target], strip_prefixes: tup
                 return True, (target[0].format(*m.groups()), target[1])
             return True, target.format(*m.groups())
     return False, None
+
+
+def map_names(state: Mapping[str, T], *, weight_map: Mapping[str, Target], strip_prefixes: tuple[str, ...],
+              fuse: Callable[[list[T]], T]) -> tuple[dict[str, T], list[str]]:
+    """(our name -> tensor, the checkpoint names the map neither maps nor drops). Shards of one fused tensor
+    (q, k, v -> qkv) are joined in shard order by ``fuse`` (torch.cat, np.concatenate: along dim 0)."""
+    ours: dict[str, T] = {}
+    shards: dict[str, dict[int, T]] = {}
+    unknown = []
+    for name, tensor in state.items():
+        known, target = our_name(name, weight_map=weight_map, strip_prefixes=strip_prefixes)
+        if not known:
+            unknown.append(name)
+        elif isinstance(target, tuple):
+            shards.setdefault(target[0], {})[target[1]] = tensor
+        elif target is not None:
+            ours[target] = tensor
+    for name, parts in shards.items():
+        ours[name] = fuse([parts[i] for i in sorted(parts)])  # [sum of shard rows, ...]
+    return ours, unknown

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from embedpipe.kernels import select_backend
-from embedpipe.models.checkpoint import our_name, weight_files
+from embedpipe.models.checkpoint import map_names, weight_files
 from embedpipe.models.head import EmbeddingHead, build_head, resolve_pooling
 from embedpipe.models.registry import model_class
 from embedpipe.models.st import STSpec, dense_dim, read_st_spec
@@ -57,25 +57,13 @@ def load_state_dict_into(
     assign=True (works on a meta-device model), and check that every checkpoint key was used
     or dropped and every parameter and buffer was filled."""
     cls = type(model)
-    ours: dict[str, Tensor] = {}
-    shards: dict[str, dict[int, Tensor]] = {}
-    unknown = []
-    for name, tensor in state.items():
-        known, target = our_name(name, weight_map=cls.WEIGHT_MAP, strip_prefixes=cls.STRIP_PREFIXES)
-        if not known:
-            unknown.append(name)
-        elif isinstance(target, tuple):
-            shards.setdefault(target[0], {})[target[1]] = tensor
-        elif target is not None:
-            ours[target] = tensor
+    ours, unknown = map_names(state, weight_map=cls.WEIGHT_MAP, strip_prefixes=cls.STRIP_PREFIXES, fuse=torch.cat)
     if unknown:
         raise ValueError(
             f"{cls.__name__}: checkpoint keys not in its WEIGHT_MAP (neither mapped nor dropped): {sorted(unknown)}. "
             "Is this the right model_type for the checkpoint? If they are harmless extras, add them "
             f"to {cls.__name__}.WEIGHT_MAP with None."
         )
-    for name, parts in shards.items():
-        ours[name] = torch.cat([parts[i] for i in sorted(parts)])  # [sum of shard rows, ...]
     expected = dict(model.state_dict(keep_vars=True))
     wrong = {n: (tuple(t.shape), tuple(expected[n].shape)) for n, t in ours.items() if n in expected and t.shape != expected[n].shape}
     if wrong:

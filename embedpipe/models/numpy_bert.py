@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from embedpipe.models.bert_config import BERT_FAMILY, BertConfig
-from embedpipe.models.checkpoint import our_name, weight_files
+from embedpipe.models.checkpoint import map_names, weight_files
 
 # erf, Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): numpy has none, and scipy's import costs ~0.6 s
 _ERF_P, _ERF_A = 0.3275911, (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
@@ -126,23 +126,15 @@ def load_numpy_bert(model_dir: Path) -> NumpyBert | None:
         return None
     from safetensors.numpy import load_file
 
-    weights: dict[str, np.ndarray] = {}
-    shards: dict[str, dict[int, np.ndarray]] = {}
+    state: dict[str, np.ndarray] = {}
     for f in files:
         try:
-            state = load_file(f)
+            state.update(load_file(f))
         except (TypeError, ValueError):  # a dtype numpy has no type for (bfloat16)
             return None
-        for name, array in state.items():
-            known, target = our_name(name, weight_map=weight_map, strip_prefixes=strip_prefixes)
-            if not known:
-                return None  # the torch loader names the unknown key
-            if isinstance(target, tuple):
-                shards.setdefault(target[0], {})[target[1]] = array
-            elif target is not None:
-                weights[target] = array
-    for name, parts in shards.items():
-        weights[name] = np.concatenate([parts[i] for i in sorted(parts)])  # [sum of shard rows, ...]
+    weights, unknown = map_names(state, weight_map=weight_map, strip_prefixes=strip_prefixes, fuse=np.concatenate)
+    if unknown:
+        return None  # the torch loader names the unknown keys
     weights = {k: v.astype(np.float32, copy=False) for k, v in weights.items()}
     if not _complete(weights, config):
         return None
