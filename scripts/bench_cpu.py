@@ -33,18 +33,15 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from bench_sample import cpu_description, load_texts
+from bench_sample import add_sample_arguments, cpu_description, load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", type=Path, default=CORPUS, help="Parquet file with a `text` column")
-    p.add_argument("--rows", type=int, default=2000, help="rows sampled from the corpus (seeded)")
-    p.add_argument("--seed", type=int, default=0)
+    add_sample_arguments(p, rows=2000)
     p.add_argument("--threads", type=int, default=2, help="torch threads for every contender")
     p.add_argument("--chunks", type=int, default=8, help="the corpus is timed in this many interleaved chunks")
     p.add_argument("--repeats", type=int, default=3, help="timed passes; each (contender, chunk) keeps its best")

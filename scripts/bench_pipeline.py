@@ -23,19 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_sample import cpu_description, load_texts
+from bench_sample import add_sample_arguments, cpu_description, load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", type=Path, default=CORPUS, help="Parquet file with a `text` column")
-    p.add_argument("--rows", type=int, default=5000, help="rows sampled from the corpus (seeded)")
-    p.add_argument("--seed", type=int, default=0)
+    add_sample_arguments(p, rows=5000)
     p.add_argument("--unit-rows", type=int, default=500, help="input.unit_rows of the sample's job")
     p.add_argument("--layouts", default="1x2,2x1", help="workers x cpus_per_worker, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="runs per (tree, layout); each keeps its best")

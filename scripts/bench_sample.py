@@ -1,12 +1,22 @@
 """What the CPU benchmarks share (bench_cpu.py, bench_pipeline.py, profile_cpu.py): the seeded sample of the
-corpus every contender gets, and the line that names the machine."""
+corpus every contender gets (its options and its reading), and the line that names the machine."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 import numpy as np
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser, *, rows: int) -> None:
+    """--corpus, --rows (default ``rows``) and --seed: what ``load_texts`` reads."""
+    parser.add_argument("--corpus", type=Path, default=CORPUS, help="Parquet file with a `text` column")
+    parser.add_argument("--rows", type=int, default=rows, help="rows sampled from the corpus (seeded)")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def load_texts(args) -> list[str]:

@@ -13,21 +13,16 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
-from bench_sample import load_texts
+from bench_sample import add_sample_arguments, load_texts
 
-ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", type=Path, default=CORPUS)
-    p.add_argument("--rows", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    add_sample_arguments(p, rows=1000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--top", type=int, default=12, help="ops listed per dtype")
