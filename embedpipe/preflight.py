@@ -45,7 +45,7 @@ from embedpipe.report.flops import read_model_config
 from embedpipe.units import InputError, Unit
 
 if TYPE_CHECKING:
-    from embedpipe.models.st import STSpec  # imports torch: the model modules load only when a model is read
+    from embedpipe.models.st import STSpec
 
 MAX_LISTED = 5  # duplicate ids named in an error message
 READ_THREADS = 16  # units whose ids the duplicate check reads at once
@@ -211,15 +211,15 @@ def plan_model(job: JobSpec) -> ModelPlan:
     """Resolve model.path (the run's only resolution), check the files a worker will need are there
     and safe, read the model's facts, and check the job's model options against them."""
     from embedpipe.models import resolve
-    from embedpipe.models.loader import model_defaults
+    from embedpipe.models.defaults import model_defaults
     from embedpipe.models.st import model_dim, read_st_spec, resolve_prompt
 
     try:
         model_dir = resolve.resolve_model_path(job.model.path, storage_options=job.model.storage_options)
     except resolve.ModelNotFound as exc:
         raise ModelError(f"model.path: {exc}") from None
-    try:
-        spec = read_st_spec(model_dir, allow_pickle=job.model.allow_pickle)
+    try:  # torch-free: the Dense modules' configs, and their weight files checked present, not read
+        spec = read_st_spec(model_dir, allow_pickle=job.model.allow_pickle, dense_weights="check")
     except (ValueError, KeyError, OSError) as exc:
         raise ModelError(f"model.path: {model_dir}: {exc}") from None
     config = check_model_files(model_dir / spec.transformer_dir, allow_pickle=job.model.allow_pickle)
@@ -229,7 +229,11 @@ def plan_model(job: JobSpec) -> ModelPlan:
         raise ModelError(f"model.path: {exc}: copy the model's config.json into the directory again") from None
     check_model_options(job, spec=spec, dim=dim)
     normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
-    defaults = model_defaults(model_dir, spec=spec)  # the class's pooling and positions, no weights read
+    try:
+        defaults = model_defaults(model_dir, spec=spec)  # the family's pooling and positions, from config.json
+    except (ValueError, KeyError) as exc:
+        raise ModelError(f"model.path: {model_dir / spec.transformer_dir / 'config.json'}: {exc}: fix config.json "
+                         f"or use a model embedpipe implements") from None
     return ModelPlan(dir=model_dir, st=spec, config=config, dim=dim, vector_dim=job.output.dim or dim,
                      normalize=normalize, pooling=defaults.pooling(spec, job.model.pooling),
                      max_seq_len=defaults.max_seq_len(spec, job.model.max_seq_len),
@@ -272,7 +276,7 @@ def check_model_files(weights_dir: Path, *, allow_pickle: bool) -> dict:
 
 def check_model_type(config_path: Path) -> dict:
     """config.json's model_type must be one embedpipe implements (else every worker would fail loading it)."""
-    from embedpipe.models.registry import model_class
+    from embedpipe.models.families import family
 
     try:
         config = read_model_config(config_path.parent, transformer_dir="")
@@ -280,7 +284,7 @@ def check_model_type(config_path: Path) -> dict:
         raise ModelError(f"model.path: {config_path} is not readable JSON ({exc}): copy the model's config.json "
                          f"into the directory again") from None
     try:
-        model_class(config.get("model_type") if isinstance(config, dict) else None)
+        family(config.get("model_type") if isinstance(config, dict) else None)
     except ValueError as exc:
         raise ModelError(f"model.path: {config_path.parent}: {exc}") from None
     return config

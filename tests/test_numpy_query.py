@@ -17,6 +17,7 @@ from embedpipe.config import BatchingConfig, ModelConfig, RuntimeConfig
 from embedpipe.index.query import NumpyQueryEncoder, numpy_query_encoder
 from embedpipe.io.describe import ModelRecord, OutputDescription
 from embedpipe.models.bert_config import BERT_FAMILY
+from embedpipe.models.activations import ACTIVATION_NAMES
 from embedpipe.models.layers import ACTIVATIONS
 from embedpipe.models.numpy_bert import NUMPY_ACTIVATIONS, load_numpy_bert
 from embedpipe.models.registry import load_families
@@ -106,7 +107,7 @@ def test_numpy_matches_torch_on_tiny_models(tmp_path, family, hidden_act, includ
 
 
 def test_numpy_activations_match_torch():
-    assert set(NUMPY_ACTIVATIONS) == set(ACTIVATIONS)
+    assert set(NUMPY_ACTIVATIONS) == set(ACTIVATIONS) == set(ACTIVATION_NAMES)
     x = np.linspace(-8, 8, 4001, dtype=np.float32)
     for name, fn in NUMPY_ACTIVATIONS.items():
         want = ACTIVATIONS[name](torch.from_numpy(x)).numpy()

@@ -173,11 +173,19 @@ def expected_workers(cfg: ClusterConfig) -> ExpectedWorkers:
         return ExpectedWorkers(max(gpus, 1), f"one per GPU of the connected Ray ({gpus})" if gpus else "no GPU: one")
     if cfg.address or submitted_job_address():
         return ExpectedWorkers(1, "assumed: the cluster's size is known once joined (set cluster.workers)")
-    gpus = _local_gpus()
+    gpus = local_gpus()
     return ExpectedWorkers(max(gpus, 1), f"one per GPU of this machine ({gpus})" if gpus else "no GPU: one")
 
 
-def _local_gpus() -> int:
+# device files a GPU driver creates (NVIDIA's; WSL's GPU paravirtualisation; ROCm's, which torch.cuda also
+# reports): where none exists torch finds no GPU, and the driver learns it without importing torch (~2 s)
+GPU_DEVICE_FILES: tuple[str, ...] = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+
+
+def local_gpus() -> int:
+    """The GPUs torch sees on this machine; 0 without importing torch where no GPU driver's device file exists."""
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return 0
     try:
         import torch
     except ImportError:

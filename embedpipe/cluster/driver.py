@@ -21,7 +21,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import connect, expected_workers, plan_workers, submitted_job_address
+from embedpipe.cluster.connect import connect, expected_workers, local_gpus, plan_workers, submitted_job_address
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
@@ -108,9 +108,7 @@ def settle_dtype(job: JobSpec) -> JobSpec:
     if device == "auto":
         if job.cluster.address or submitted_job_address():
             return job
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if local_gpus() else "cpu"
     return job.replace(model={"dtype": resolve_dtype("auto", device=device)})
 
 

@@ -62,7 +62,7 @@ def numpy_query_encoder(*, model_dir: Path, description: OutputDescription, prom
     Dense modules, a model run in half precision, a pooling it lacks): the torch encoder answers then."""
     if dtype not in NUMPY_DTYPES or description.pooling not in NUMPY_POOLING:
         return None
-    spec = read_st_spec(model_dir, dense_weights=False)
+    spec = read_st_spec(model_dir, dense_weights="skip")
     if spec.dense:
         return None
     model = load_numpy_bert(model_dir / spec.transformer_dir)

@@ -75,7 +75,6 @@ class BertLayer(nn.Module):
 @register("bert")
 class BertModel(nn.Module):
     config_class: ClassVar[type] = BertConfig
-    default_pooling: ClassVar[str] = "mean"  # when the directory has no Pooling module
 
     # checkpoint names -> ours: the family's table, embedpipe/models/bert_config.py (shared with numpy_bert.py)
     STRIP_PREFIXES: ClassVar[tuple[str, ...]] = BERT_STRIP_PREFIXES
@@ -94,6 +93,10 @@ class BertModel(nn.Module):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    @property
+    def default_pooling(self) -> str:
+        return self.config.default_pooling
 
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer

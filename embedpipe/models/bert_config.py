@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from embedpipe.models.activations import check_activation
 from embedpipe.models.flops import attention_flops
 
 # checkpoint name prefixes removed before WEIGHT_MAP lookup (BertForX / RobertaModel dumps)
@@ -57,7 +58,7 @@ class BertConfig:
     max_positions: int = 512  # position table size; the tokenizer truncates below it
     type_vocab_size: int = 2  # only type 0 is used (single-segment inputs)
     layer_norm_eps: float = 1e-12
-    hidden_act: str = "gelu"  # key of models.layers.ACTIVATIONS (checked when the model is built)
+    hidden_act: str = "gelu"  # one of models/activations.py: ACTIVATION_NAMES
     position_offset: int = 0  # added to 0-based positions (RoBERTa: padding_idx + 1)
 
     @property
@@ -68,6 +69,11 @@ class BertConfig:
     def max_seq_len(self) -> int:
         """Longest sequence the position table covers (RoBERTa loses its offset rows)."""
         return self.max_positions - self.position_offset
+
+    @property
+    def default_pooling(self) -> str:
+        """The pooling when the directory has no Pooling module."""
+        return "mean"
 
     @property
     def linear_weights(self) -> int:
@@ -103,7 +109,7 @@ class BertConfig:
             max_positions=hf.get("max_position_embeddings", 512),
             type_vocab_size=hf.get("type_vocab_size", 2),
             layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-            hidden_act=hf.get("hidden_act", "gelu"),
+            hidden_act=check_activation(hf.get("hidden_act", "gelu")),
         )
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from embedpipe.models.defaults import resolve_pooling
 from embedpipe.models.pooling import POOLING_MODES, pool
 from embedpipe.models.st import STSpec
 
@@ -48,11 +49,6 @@ class EmbeddingHead(nn.Module):
         if self.dim is not None:
             x = x[:, : self.dim]  # [B, dim]
         return F.normalize(x, dim=-1) if self.normalize else x  # [B, D]
-
-
-def resolve_pooling(spec: STSpec, *, pooling: str = "auto", default_pooling: str = "mean") -> str:
-    """The pooling a head built with these settings uses: the job's, else the Pooling module's, else the class's."""
-    return (spec.pooling or default_pooling) if pooling == "auto" else pooling
 
 
 def build_head(

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# config.json `hidden_act` -> function (names as transformers' ACT2FN spells them)
+from embedpipe.models.activations import check_activation
+
+# config.json `hidden_act` -> function: the names of embedpipe/models/activations.py (a test pins the match)
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,  # exact, erf
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -20,9 +22,7 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; known: {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+    return ACTIVATIONS[check_activation(name)]
 
 
 class LayerNorm(nn.LayerNorm):

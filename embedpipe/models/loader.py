@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import select_backend
 from embedpipe.models.checkpoint import map_names, weight_files
-from embedpipe.models.head import EmbeddingHead, build_head, resolve_pooling
+from embedpipe.models.head import EmbeddingHead, build_head
 from embedpipe.models.registry import model_class
 from embedpipe.models.st import STSpec, dense_dim, read_st_spec
 
@@ -113,37 +113,6 @@ def _no_init():
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
-
-
-MAX_SEQ_LEN_CAP = 8192  # tokens a text keeps when neither the job nor the model's sentence-transformers config says
-
-
-def effective_max_seq_len(requested: int | None, *, spec: STSpec, max_positions: int) -> int:
-    """model.max_seq_len, else the sentence-transformers max length, else the model's positions (capped)."""
-    return requested or spec.max_seq_len or min(max_positions, MAX_SEQ_LEN_CAP)
-
-
-@dataclass(frozen=True)
-class ModelDefaults:
-    """What a model's class decides where the job says auto, read without its weights."""
-
-    default_pooling: str  # the class's pooling when the directory has no Pooling module
-    max_positions: int  # longest sequence its positions cover
-
-    def pooling(self, spec: STSpec, requested: str = "auto") -> str:
-        return resolve_pooling(spec, pooling=requested, default_pooling=self.default_pooling)
-
-    def max_seq_len(self, spec: STSpec, requested: int | None = None) -> int:
-        return effective_max_seq_len(requested, spec=spec, max_positions=self.max_positions)
-
-
-def model_defaults(path: str | Path, *, spec: STSpec) -> ModelDefaults:
-    """The class of config.json's model_type built on the meta device (no weights read, no memory)."""
-    hf = json.loads((Path(path) / spec.transformer_dir / "config.json").read_text())
-    cls = model_class(hf.get("model_type", "<missing>"))
-    with torch.device("meta"), _no_init():
-        model = cls(cls.config_class.from_hf_config(hf), attention_backend="reference")
-    return ModelDefaults(default_pooling=model.default_pooling, max_positions=model.max_seq_len)
 
 
 def load_model(

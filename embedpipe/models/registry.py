@@ -1,9 +1,11 @@
-"""Model classes keyed by config.json's `model_type`."""
+"""Model classes keyed by config.json's `model_type` (the types and their configs: embedpipe/models/families.py)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Callable, TypeVar
+
+from embedpipe.models.families import FAMILIES, family
 
 if TYPE_CHECKING:
     from torch import nn
@@ -11,18 +13,19 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=type)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {}
-# the modules of embedpipe/models that @register their classes: imported on the first lookup (they import torch;
-# the package's torch-free modules, such as st.py and numpy_bert.py, do not need them)
-FAMILIES: tuple[str, ...] = ("bert", "xlm_roberta", "modernbert", "qwen3")
 
 
 def register(*model_types: str) -> Callable[[M], M]:
-    """Class decorator: `@register("bert")` makes the loader build this class for that model_type."""
+    """Class decorator: `@register("bert")` makes the loader build this class for that model_type, which
+    families.py must list with this class's config_class."""
 
     def deco(cls: M) -> M:
         for name in model_types:
             if name in MODEL_REGISTRY:
                 raise ValueError(f"model_type {name!r} is already registered to {MODEL_REGISTRY[name].__name__}")
+            if name not in FAMILIES or FAMILIES[name].config_class is not cls.config_class:
+                raise ValueError(f"model_type {name!r}: add it to embedpipe/models/families.py with config class "
+                                 f"{cls.config_class.__name__} and module {cls.__module__.rsplit('.', 1)[-1]!r}")
             MODEL_REGISTRY[name] = cls
         return cls
 
@@ -30,19 +33,13 @@ def register(*model_types: str) -> Callable[[M], M]:
 
 
 def load_families() -> dict[str, type[nn.Module]]:
-    """Import every family module (each registers its classes) once; returns MODEL_REGISTRY."""
-    for name in FAMILIES:
-        importlib.import_module(f"embedpipe.models.{name}")
+    """Import every family's encoder module (each registers its classes) once; returns MODEL_REGISTRY."""
+    for module in sorted({f.module for f in FAMILIES.values()}):
+        importlib.import_module(f"embedpipe.models.{module}")
     return MODEL_REGISTRY
 
 
 def model_class(model_type: str | None) -> type[nn.Module]:
-    """The class registered for config.json's ``model_type``; the error names the supported ones and the fix."""
-    load_families()
-    if model_type in MODEL_REGISTRY:
-        return MODEL_REGISTRY[model_type]
-    problem = "has no model_type" if model_type is None else f"model_type {model_type!r} is not supported"
-    raise ValueError(
-        f"config.json {problem}; embedpipe implements {', '.join(sorted(MODEL_REGISTRY))}: use a model of one of "
-        f"these architectures (a fine-tune keeps its base model's model_type), or add an encoder for it with "
-        f"@register in embedpipe/models")
+    """The torch class registered for config.json's ``model_type``; the error names the supported ones and the fix."""
+    importlib.import_module(f"embedpipe.models.{family(model_type).module}")
+    return MODEL_REGISTRY[model_type]

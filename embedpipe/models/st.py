@@ -1,7 +1,7 @@
 """Read a sentence-transformers directory (modules.json and its module folders) into an STSpec.
 
 Only configuration and safetensors weights are read; no code from the directory is imported. torch is imported
-only to read a Dense module's weights (``dense_weights=False`` reads their configs alone: a torch-free caller).
+only to read a Dense module's weights (``dense_weights="check"`` or ``"skip"``: a torch-free caller).
 A plain Hugging Face directory (no modules.json) gives the default STSpec (no pooling chosen,
 no normalization, no Dense layers).
 """
@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+DenseWeights = Literal["read", "check", "skip"]  # what read_st_spec does with a Dense module's weights
 
 # sentence-transformers Pooling mode -> ours. Old configs use boolean flags, new ones a name.
 POOLING_FLAGS: dict[str, str] = {
@@ -61,7 +63,7 @@ class DenseSpec:
     out_features: int
     bias: bool
     activation: str  # value of DENSE_ACTIVATIONS
-    weight: Tensor | None = field(repr=False)  # [out, in] float32; None when read with dense_weights=False
+    weight: Tensor | None = field(repr=False)  # [out, in] float32; None unless read with dense_weights="read"
     bias_value: Tensor | None = field(default=None, repr=False)  # [out] float32
 
 
@@ -109,10 +111,11 @@ def _pooling(cfg: dict[str, Any], where: Path) -> str:
     return modes[0]
 
 
-def _dense(folder: Path, *, allow_pickle: bool, weights: bool = True) -> DenseSpec:
+def _dense(folder: Path, *, allow_pickle: bool, weights: DenseWeights = "read") -> DenseSpec:
     cfg = _json(folder / "config.json")
-    if not weights:
-        state = None
+    if weights == "skip" or weights == "check" and (
+            (folder / "model.safetensors").is_file() or allow_pickle and (folder / "pytorch_model.bin").is_file()):
+        state = None  # not read here: the worker that builds the head reads them
     elif (folder / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
@@ -147,9 +150,10 @@ def _dense(folder: Path, *, allow_pickle: bool, weights: bool = True) -> DenseSp
     return spec
 
 
-def read_st_spec(path: str | Path, *, allow_pickle: bool = False, dense_weights: bool = True) -> STSpec:
+def read_st_spec(path: str | Path, *, allow_pickle: bool = False, dense_weights: DenseWeights = "read") -> STSpec:
     """Read modules.json and its Pooling / Dense / Normalize modules. Missing Normalize folders are normal.
-    ``dense_weights=False``: the Dense modules' configs only (their ``weight`` None; torch is not imported)."""
+    ``dense_weights``: "read" the Dense modules' weights (imports torch); "check" that their files are there, or
+    "skip" them (their configs only, ``weight`` None; torch is not imported)."""
     root = Path(path)
     modules = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else []
     pooling, normalize, dense, include_prompt, transformer_dir = None, False, [], True, ""

@@ -30,18 +30,17 @@ from typing import Any
 
 def families() -> list[str]:
     """The config.json model_types with a FLOPs rule: those embedpipe can load."""
-    from embedpipe.models import MODEL_REGISTRY  # registers the families (imports torch: only when asked)
+    from embedpipe.models.families import FAMILIES
 
-    return sorted(MODEL_REGISTRY)
+    return sorted(FAMILIES)
 
 
 def family_config(config_json: dict) -> Any:
-    """config.json parsed by its family (e.g. a BertConfig); ValueError names an unknown model_type."""
-    from embedpipe.models import model_class
+    """config.json parsed by its family (e.g. a BertConfig), torch-free; ValueError names an unknown model_type."""
+    from embedpipe.models.families import family
 
-    cls = model_class(config_json.get("model_type", "<missing>"))
     # the embedding table is not counted: a config without vocab_size still has a FLOPs count
-    return cls.config_class.from_hf_config({"vocab_size": 1, **config_json})
+    return family(config_json.get("model_type", "<missing>")).config_class.from_hf_config({"vocab_size": 1, **config_json})
 
 
 def flops_per_token_from_config(config_json: dict, seq_len: float) -> float:

@@ -13,7 +13,7 @@ import torch
 from embedpipe.config import (BatchingConfig, ChunkingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig,
                               resolve_dtype)
 from embedpipe.models import load_model
-from embedpipe.models.loader import effective_max_seq_len
+from embedpipe.models.defaults import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
