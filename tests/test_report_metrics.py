@@ -40,6 +40,7 @@ def test_per_worker_busy_and_scaling_by_hand():
     assert w0["timeline"] == [[2.0, 6.0, 100, 4000], [6.0, 10.0, 100, 4000]]
     assert m["busy_fraction"] == pytest.approx(11.4 / 14, abs=1e-6) and m["busy_source"] == "encode"
     assert m["scaling_efficiency"] == pytest.approx(14 / 20)  # worker-seconds on units / (2 workers x 10 s)
+    assert m["scaling_efficiency_after_startup"] == pytest.approx(14 / 16)  # ... / (2 workers x (10 - 2) s)
     assert m["startup_seconds"] == 2.0 and m["padding_efficiency"] == 1.0
 
 

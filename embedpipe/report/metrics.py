@@ -10,6 +10,8 @@ Definitions (all in report.json, rendered by report/render.py):
   worker-seconds spent on units / (workers x wall seconds): what start-up, scheduling gaps and idle
   tails cost. Contention between workers on shared hardware is not in it; compare against a
   one-worker run for that (``embedpipe report ONE_WORKER_RUN N_WORKER_RUN``).
+- ``scaling_efficiency_after_startup``: the same over the wall seconds after start-up (from the first unit
+  taken to the end): what scheduling gaps and idle tails cost, without the run's fixed start-up.
 - ``mfu``: flops_per_token x tokens / wall seconds / the summed measured peak of all devices, in the
   model's dtype; ``encode_mfu`` divides by encode seconds instead, i.e. how close the encoder ran to
   the hardware while it ran.
@@ -50,6 +52,7 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     the units it encoded), not units a resumed run found already done.
     """
     wall = max(wall_seconds, 1e-9)
+    startup = min(s.started for s in spans) - started_at if spans else None  # to the first unit taken
     total = this_run
     fpt, flops = _flops(total, model_config)
     workers = [_worker(i, [s for s in spans if s.worker == i], dev, started_at=started_at, dtype=dtype, fpt=fpt)
@@ -61,10 +64,12 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     prices = [price_for(d, cost) for d in devices for _ in range(d.count)]
     return {
         "padding_efficiency": _ratio(report["tokens"], report["padded_tokens"]),
-        "startup_seconds": round(min(s.started for s in spans) - started_at, 3) if spans else None,
+        "startup_seconds": round(startup, 3) if startup is not None else None,
         "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
         "busy_source": "encode",  # the stage busy seconds come from
         "scaling_efficiency": _ratio(worker_seconds, len(devices) * wall),
+        "scaling_efficiency_after_startup": _ratio(worker_seconds, len(devices) * (wall - startup))
+        if startup is not None and wall > startup else None,
         "flops_per_token": fpt,
         "flops": flops,
         "mfu": _ratio(fpt * total.tokens / wall, peak_total) if fpt is not None and peak_total else None,

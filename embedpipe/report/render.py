@@ -156,6 +156,7 @@ OVERVIEW: list[Metric] = [
     Metric("Throughput", "rows/s", _dig("rows_per_second"), f_num),
     Metric("Throughput", "tokens/s", _dig("tokens_per_second"), f_num),
     Metric("Throughput", "scaling efficiency", _dig("scaling_efficiency"), f_pct),
+    Metric("Throughput", "scaling efficiency after start-up", _dig("scaling_efficiency_after_startup"), f_pct),
     Metric("Throughput", "device busy (of worker time)", _dig("busy_fraction"), f_pct),
 ]
 # after them
@@ -336,7 +337,8 @@ def render_markdown(report: dict, *, project_rows: float | None = None, plot: st
               f"- price source: {cost.get('source', UNKNOWN)}",
               f"- device busy is measured from the `{report.get('busy_source', 'encode')}` stage "
               "(on CPU the encoder computes synchronously, so its wall time is device time).",
-              "- scaling efficiency: worker-seconds on units / (workers x wall seconds); MFU: model FLOPs "
+              "- scaling efficiency: worker-seconds on units / (workers x wall seconds), after start-up: over "
+              "the wall seconds from the first unit taken; MFU: model FLOPs "
               "(counted from config.json, see embedpipe/report/flops.py) over the measured matmul peak.", ""]
     if plot:
         lines += [f"![tokens/s per worker and time by stage]({plot})", ""]
