@@ -230,7 +230,7 @@ def plan_model(job: JobSpec) -> ModelPlan:
     check_model_options(job, spec=spec, dim=dim)
     normalize = spec.normalize if job.model.normalize == "auto" else bool(job.model.normalize)
     try:
-        defaults = model_defaults(model_dir, spec=spec)  # the family's pooling and positions, from config.json
+        defaults = model_defaults(config)  # the family's pooling and positions, from config.json
     except (ValueError, KeyError) as exc:
         raise ModelError(f"model.path: {model_dir / spec.transformer_dir / 'config.json'}: {exc}: fix config.json "
                          f"or use a model embedpipe implements") from None

@@ -225,7 +225,7 @@ def test_plain_dir_head_defaults(tiny):
     assert lm.spec.pooling is None and not lm.spec.normalize and lm.dim == 32
     assert lm.max_positions == lm.model.max_seq_len == 128  # max_position_embeddings, no offset
     head = lm.build_head()
-    assert head.pooling == lm.model.default_pooling == lm.config.default_pooling == "mean" and not head.normalize
+    assert head.pooling == lm.config.default_pooling == "mean" and not head.normalize
     assert build_head(lm.spec, pooling="cls", normalize=True).pooling == "cls"
 
 

@@ -94,10 +94,6 @@ class BertModel(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    @property
-    def default_pooling(self) -> str:
-        return self.config.default_pooling
-
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         plan = plan_attention(cu_seqlens, backend=self.attention_backend)  # once per forward, for every layer
         x = self.embed(input_ids, positions)  # [T, hidden]

@@ -5,9 +5,7 @@ preflight and the workers' encoder resolve them through these same functions.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from embedpipe.models.families import family_config
 from embedpipe.models.st import STSpec
@@ -39,7 +37,7 @@ class ModelDefaults:
         return effective_max_seq_len(requested, spec=spec, max_positions=self.max_positions)
 
 
-def model_defaults(path: str | Path, *, spec: STSpec) -> ModelDefaults:
-    """The family's defaults for the model at ``path`` from its config.json alone (ValueError: what is wrong)."""
-    config = family_config(json.loads((Path(path) / spec.transformer_dir / "config.json").read_text()))
+def model_defaults(config_json: dict) -> ModelDefaults:
+    """The family's defaults for a model from its transformer's config.json alone (ValueError: what is wrong)."""
+    config = family_config(config_json)
     return ModelDefaults(default_pooling=config.default_pooling, max_positions=config.max_seq_len)

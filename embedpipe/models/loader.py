@@ -44,7 +44,7 @@ class LoadedModel:
         if dim is not None and dim > self.dim:
             raise ValueError(f"output.dim {dim} exceeds the model's dimension {self.dim}: set it to at most {self.dim}")
         head = build_head(
-            self.spec, pooling=pooling, normalize=normalize, default_pooling=self.model.default_pooling, dim=dim,
+            self.spec, pooling=pooling, normalize=normalize, default_pooling=self.config.default_pooling, dim=dim,
             skip_tokens=skip_tokens,
         )
         return head.to(self.device)

@@ -124,10 +124,6 @@ class ModernBertModel(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    @property
-    def default_pooling(self) -> str:
-        return self.config.default_pooling
-
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         c = self.config
         x = self.embed(input_ids)  # [T, hidden]

@@ -112,10 +112,6 @@ class Qwen3Model(nn.Module):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    @property
-    def default_pooling(self) -> str:
-        return self.config.default_pooling
-
     def forward(self, input_ids: Tensor, positions: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         x = self.embed(input_ids)  # [T, hidden]
         rope = rotary_cos_sin(positions, head_dim=self.config.head_dim, theta=self.config.rope_theta,

@@ -21,11 +21,11 @@ def register(*model_types: str) -> Callable[[M], M]:
 
     def deco(cls: M) -> M:
         for name in model_types:
-            if name in MODEL_REGISTRY:
-                raise ValueError(f"model_type {name!r} is already registered to {MODEL_REGISTRY[name].__name__}")
             if name not in FAMILIES or FAMILIES[name].config_class is not cls.config_class:
                 raise ValueError(f"model_type {name!r}: add it to embedpipe/models/families.py with config class "
                                  f"{cls.config_class.__name__} and module {cls.__module__.rsplit('.', 1)[-1]!r}")
+            if name in MODEL_REGISTRY:
+                raise ValueError(f"model_type {name!r} is already registered to {MODEL_REGISTRY[name].__name__}")
             MODEL_REGISTRY[name] = cls
         return cls
 

@@ -53,10 +53,11 @@ def packed_model(config_json: dict, state_dict: dict, *, pooling: str, dtype: to
     """Our model for config.json's model_type, weights from `state_dict` through the family's
     mapping table, and a normalized head with `pooling` (mean | cls | last)."""
     cls = model_class(config_json["model_type"])
+    config = cls.config_class.from_hf_config(config_json)
     with torch.device("meta"):
-        model = cls(cls.config_class.from_hf_config(config_json), attention_backend=backend)
+        model = cls(config, attention_backend=backend)
     load_state_dict_into(model, state_dict, dtype=dtype, device=device)
-    head = build_head(STSpec(pooling=pooling, normalize=True), default_pooling=model.default_pooling)
+    head = build_head(STSpec(pooling=pooling, normalize=True), default_pooling=config.default_pooling)
     return model, head.to(device)
 
 

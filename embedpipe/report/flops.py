@@ -37,10 +37,10 @@ def families() -> list[str]:
 
 def family_config(config_json: dict) -> Any:
     """config.json parsed by its family (e.g. a BertConfig), torch-free; ValueError names an unknown model_type."""
-    from embedpipe.models.families import family
+    from embedpipe.models import families
 
     # the embedding table is not counted: a config without vocab_size still has a FLOPs count
-    return family(config_json.get("model_type", "<missing>")).config_class.from_hf_config({"vocab_size": 1, **config_json})
+    return families.family_config({"vocab_size": 1, **config_json})
 
 
 def flops_per_token_from_config(config_json: dict, seq_len: float) -> float:
