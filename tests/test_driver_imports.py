@@ -77,7 +77,10 @@ def test_register_refuses_a_model_type_families_does_not_list():
         register("not-a-family")(cls)
     with pytest.raises(ValueError, match="add it to embedpipe/models/families.py"):  # listed with another config
         register("modernbert")(type("Other", (), {"config_class": FAMILIES["qwen3"].config_class}))
-    assert "not-a-family" not in MODEL_REGISTRY
+    load_families()
+    with pytest.raises(ValueError, match="already registered"):  # listed, same config, but taken
+        register("bert")(type("Other", (), {"config_class": FAMILIES["bert"].config_class}))
+    assert "not-a-family" not in MODEL_REGISTRY and MODEL_REGISTRY["bert"].__name__ == "BertModel"
 
 
 @no_gpu_driver
