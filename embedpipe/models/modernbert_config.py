@@ -37,7 +37,7 @@ class ModernBertConfig:
     norm_bias: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    hidden_act: str = "gelu"  # key of models.layers.ACTIVATIONS, applied to the GeGLU input half
+    hidden_act: str = "gelu"  # one of models/activations.py: ACTIVATION_NAMES, applied to the GeGLU input half
     global_rope_theta: float = 160_000.0
     local_rope_theta: float = 10_000.0
     local_window: int = 64  # local layers: keys with |i - j| <= local_window (= local_attention // 2)

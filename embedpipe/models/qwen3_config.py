@@ -44,7 +44,7 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     attention_bias: bool = False
-    hidden_act: str = "silu"  # key of models.layers.ACTIVATIONS, applied to the gate half
+    hidden_act: str = "silu"  # one of models/activations.py: ACTIVATION_NAMES, applied to the gate half
     causal: bool = True  # False: every token sees its whole sequence (pplx-embed style)
 
     @property
