@@ -1,7 +1,8 @@
-"""The scheduler keeps one unit queued per worker (``depth=2``): the worker has its next unit before it finishes
-the current one, and a worker that dies costs only the unit it was running an attempt (the queued one goes back
-to the front untouched). Real Ray actors (the session's Ray) stand in for the embedding worker: each call logs
-when it arrived and when it finished to a file, and sleeps."""
+"""The scheduler holds one unit per worker behind its current one (``depth=2``): the current unit's call names it,
+so the worker knows its next unit before it finishes the current one, and a worker that dies costs only the unit
+it was running an attempt (the held one goes back to the front untouched). Real Ray actors (the session's Ray,
+not threaded, as the embedding worker) stand in for it: each call logs when it arrived, the unit it was told
+comes next and when it finished to a file, and sleeps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from embedpipe.cluster.scheduler import Liveness, Scheduler
-from embedpipe.cluster.worker import Turns
 from embedpipe.units import Unit
 
 pytestmark = pytest.mark.slow
@@ -24,25 +24,24 @@ LIVENESS = Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s
 
 
 class LoggingWorker:
-    """process(unit, seq): log the arrival, sleep, log the end; die (os._exit) on the unit named ``die_on`` once
-    (a marker file remembers it), after logging its arrival."""
+    """process(unit, ahead): log the arrival (and ``ahead``), sleep, log the end; die (os._exit) on the unit named
+    ``die_on`` once (a marker file remembers it), after logging its arrival."""
 
     def __init__(self, log: str, die_on: str = ""):
-        self.log, self.die_on, self.turns = Path(log), die_on, Turns()
+        self.log, self.die_on = Path(log), die_on
 
     def _write(self, **event) -> None:
         with self.log.open("a") as f:
             f.write(json.dumps({**event, "t": time.time(), "pid": os.getpid()}) + "\n")
 
-    def process(self, unit: Unit, seq: int = 0) -> str:
-        self._write(event="arrived", unit=unit.id, seq=seq)
-        with self.turns.turn(seq):  # the embedding worker's order: one at a time, as submitted
-            time.sleep(0.4)
-            marker = self.log.with_suffix(".died")
-            if unit.id == self.die_on and not marker.exists():
-                marker.write_text("1")
-                os._exit(1)
-            self._write(event="done", unit=unit.id, seq=seq)
+    def process(self, unit: Unit, ahead: Unit | None = None) -> str:
+        self._write(event="arrived", unit=unit.id, ahead=ahead.id if ahead is not None else None)
+        time.sleep(0.4)
+        marker = self.log.with_suffix(".died")
+        if unit.id == self.die_on and not marker.exists():
+            marker.write_text("1")
+            os._exit(1)
+        self._write(event="done", unit=unit.id)
         return unit.id
 
 
@@ -51,7 +50,7 @@ def _units(n: int) -> list[Unit]:
 
 
 def _scheduler(ray, log: Path, *, workers: int, die_on: str = "", depth: int = 2) -> Scheduler:
-    actor_cls = ray.remote(LoggingWorker).options(num_cpus=0, max_restarts=0, max_concurrency=2)
+    actor_cls = ray.remote(LoggingWorker).options(num_cpus=0, max_restarts=0)
     return Scheduler(make_actor=lambda slot: actor_cls.remote(str(log), die_on), workers=workers, max_attempts=3,
                      liveness=LIVENESS, depth=depth)
 
@@ -65,13 +64,14 @@ def test_each_worker_holds_its_next_unit_before_the_current_one_ends(tmp_path, r
     done = list(_scheduler(ray_session, log, workers=1).run(_units(4)))
     assert done == [u.id for u in _units(4)]  # one worker: in order
     events = _events(log)
-    arrived = {e["unit"]: e["t"] for e in events if e["event"] == "arrived"}
+    arrived = {e["unit"]: e for e in events if e["event"] == "arrived"}
     finished = {e["unit"]: e["t"] for e in events if e["event"] == "done"}
     ids = [u.id for u in _units(4)]
-    for current, following in zip(ids, ids[1:]):  # no round trip between units: the next one is already there
-        assert arrived[following] < finished[current], (current, following)
-    assert [e["unit"] for e in events if e["event"] == "done"] == ids  # encoded in submission order
-    assert sorted(e["seq"] for e in events if e["event"] == "arrived") == [0, 1, 2, 3]
+    for current, following in zip(ids, ids[1:]):  # the current unit's call named the next one
+        assert arrived[current]["ahead"] == following, (current, following)
+        assert finished[current] <= arrived[following]["t"] < finished[current] + 0.5  # a round trip, not a poll (1 s)
+    assert arrived[ids[-1]]["ahead"] is None
+    assert [e["unit"] for e in events if e["event"] == "done"] == ids  # in order
 
 
 def test_few_units_go_to_every_worker_first(tmp_path, ray_session):
@@ -89,8 +89,9 @@ def test_a_dead_worker_costs_its_running_unit_an_attempt_and_its_queued_unit_non
     assert sorted(done) == [u.id for u in units]
     assert [(r.unit.id, r.attempt, r.cause) for r in scheduler.retries] == [(units[0].id, 1, "died")]
     assert scheduler.retried == 1 and scheduler.replaced == 1 and not scheduler.failed
-    replacement = [e for e in _events(log) if e["pid"] != _events(log)[0]["pid"]]
-    # the queued unit went back to the front of the queue: the replacement's first call (seq 0), encoded first
-    # (its two calls arrive at once on the threaded actor, in either order: "done" follows the seq)
-    assert [e["unit"] for e in replacement if e["event"] == "done"][0] == units[1].id
-    assert {e["unit"]: e["seq"] for e in replacement if e["event"] == "arrived"}[units[1].id] == 0
+    first = _events(log)[0]
+    assert (first["unit"], first["ahead"]) == (units[0].id, units[1].id)  # the dead worker held unit 1
+    replacement = [e for e in _events(log) if e["pid"] != first["pid"]]
+    # the held unit went back to the front of the queue: the replacement's first call, which names the next
+    assert [(e["unit"], e["ahead"]) for e in replacement if e["event"] == "arrived"][:2] == [
+        (units[1].id, units[2].id), (units[2].id, units[0].id)]

@@ -1,5 +1,6 @@
-"""The embedding worker's read-ahead, in this process (no Ray): two calls at once, as the driver's queue of one unit
-per worker makes them; the later call reads and tokenizes beside the earlier one's encode, and encodes after it."""
+"""The embedding worker's read-ahead, in this process (no Ray): each call names the unit the driver holds for
+the worker next; the worker reads and tokenizes that one on its own thread while the call encodes its unit, and
+the next call finds it ready. Calls arrive one at a time, in order, as on the (non-threaded) actor."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from embedpipe.cluster.worker import EmbedWorker, Turns
+from embedpipe.cluster.worker import EmbedWorker, ReadAhead
 from embedpipe.config import load_job
 from embedpipe.units import Unit
 from tests.conftest import write_job
@@ -27,37 +28,40 @@ def worker(small_corpus, tmp_path_factory):
     return EmbedWorker(job, model=None, index=0, threads=1), path, out
 
 
-def _unit(path, group: int) -> Unit:
-    return Unit(id=f"00000-{group:05d}", file=str(path), row_groups=(group,), num_rows=100)
+def _unit(path, group: int, copy: int = 0) -> Unit:
+    """Row group ``group`` (0-2) of the corpus; ``copy`` > 0: the same rows as another unit (its own id)."""
+    return Unit(id=f"{copy:05d}-{group:05d}", file=str(path), row_groups=(group,), num_rows=100)
 
 
-def _in_threads(worker: EmbedWorker, calls: list[tuple[Unit, int]]) -> dict[int, object]:
-    """Start each (unit, seq) call on its own thread, in the list's order; {seq: result or exception}."""
-    answers: dict[int, object] = {}
-    worker._turns = Turns()  # a fresh actor's order: its first call is seq 0
+def _reads_on(worker: EmbedWorker) -> list[tuple[str, str]]:
+    """Wrap the worker's read: it logs (unit id, thread name) of each read."""
+    log: list[tuple[str, str]] = []
+    read = EmbedWorker._read.__get__(worker)
 
-    def call(unit: Unit, seq: int) -> None:
-        try:
-            answers[seq] = worker.process(unit, seq=seq)
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            answers[seq] = exc
+    def logged(unit):
+        log.append((unit.id, threading.current_thread().name))
+        return read(unit)
 
-    threads = [threading.Thread(target=call, args=c) for c in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a call never got its turn"
-    return answers
+    worker._read = logged
+    return log
 
 
-def test_calls_encode_in_submission_order_whatever_order_they_arrive(worker, small_corpus):
+def test_the_named_next_unit_is_read_beside_the_encode_and_the_vectors_do_not_change(worker, small_corpus):
     w, path, out = worker
     table, _ = small_corpus
-    answers = _in_threads(w, [(_unit(path, 1), 1), (_unit(path, 0), 0)])  # the later one arrives first
-    first, second = answers[0], answers[1]
+    w._ahead = ReadAhead()  # a fresh actor
+    reads = _reads_on(w)
+    try:
+        first = w.process(_unit(path, 0), ahead=_unit(path, 1))
+        second = w.process(_unit(path, 1))
+    finally:
+        del w._read
+    main = threading.main_thread().name
+    assert reads[0] == ("00000-00000", main)  # nothing read ahead for the first call: read in the call
+    assert reads[1] == ("00000-00001", "read-ahead 00000-00001")  # the second: on the read-ahead thread
+    assert len(reads) == 2  # the second call took it, it did not read it again
     assert first.unit_id == "00000-00000" and second.unit_id == "00000-00001"
-    assert first.finished <= second.started  # one encode at a time, in seq order
+    assert first.finished <= second.started
     assert second.counters["stages"]["read"] > 0 and second.counters["stages"]["tokenize"] > 0
     assert first.counters["rows"] == second.counters["rows"] == 100
     got = ds.dataset(out / "vectors", format="parquet").to_table()
@@ -67,9 +71,27 @@ def test_calls_encode_in_submission_order_whatever_order_they_arrive(worker, sma
     assert np.array_equal(np.stack([by_id[i] for i in ids]), np.concatenate(want))  # the read-ahead changes no bit
 
 
-def test_a_unit_whose_read_fails_fails_in_its_turn_and_the_next_unit_still_runs(worker, tmp_path):
+def test_a_unit_whose_read_fails_fails_in_its_own_call_and_the_next_unit_still_runs(worker, tmp_path):
     w, path, _ = worker
-    missing = Unit(id="00001-00000", file=str(tmp_path / "gone.parquet"), row_groups=(0,), num_rows=100)
-    answers = _in_threads(w, [(missing, 0), (_unit(path, 2), 1)])
-    assert isinstance(answers[0], Exception) and "gone.parquet" in str(answers[0])
-    assert answers[1].unit_id == "00000-00002" and answers[1].counters["rows"] == 100
+    w._ahead = ReadAhead()
+    missing = Unit(id="00009-00000", file=str(tmp_path / "gone.parquet"), row_groups=(0,), num_rows=100)
+    before = w.process(_unit(path, 2), ahead=missing)  # the read-ahead fails: not this call's business
+    assert before.unit_id == "00000-00002" and before.counters["rows"] == 100
+    with pytest.raises(Exception, match="gone.parquet"):
+        w.process(missing, ahead=_unit(path, 0, copy=1))
+    after = w.process(_unit(path, 0, copy=1))  # read ahead by the failed call
+    assert after.unit_id == "00001-00000" and after.counters["rows"] == 100
+
+
+def test_a_call_for_another_unit_than_the_one_read_ahead_reads_its_own(worker):
+    w, path, _ = worker
+    w._ahead = ReadAhead()
+    reads = _reads_on(w)
+    try:
+        w.process(_unit(path, 1, copy=2), ahead=_unit(path, 2, copy=2))  # then held by another worker
+        result = w.process(_unit(path, 0, copy=2))
+    finally:
+        del w._read
+    assert [unit for unit, _ in reads] == ["00002-00001", "00002-00002", "00002-00000"]
+    assert reads[2][1] == threading.main_thread().name
+    assert result.unit_id == "00002-00000" and result.counters["rows"] == 100

@@ -228,8 +228,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
-                                                        num_gpus=workers.gpus_per_worker, max_restarts=0,
-                                                        max_concurrency=READ_AHEAD + 1)
+                                                        num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
                                                          threads=workers.cpus_per_worker,
@@ -238,7 +237,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
                 resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker},
-                depth=READ_AHEAD + 1)  # one unit queued per worker: it reads that one while it encodes
+                depth=READ_AHEAD + 1)  # one unit held per worker: it reads that one while it encodes
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with tqdm(total=sum(u.num_rows for u in todo), unit="rows", disable=not progress, desc=job.name,
                       dynamic_ncols=True) as bar:

@@ -1,8 +1,9 @@
 """First-come first-served units over a pool of worker actors, surviving worker deaths and stalls.
 
 A free worker takes the next unit, so a slow worker never holds the rest back. With ``depth`` 2 (the
-embedding workers) each worker also holds the unit after it, queued: the worker reads and tokenizes
-it while it encodes the first, and no driver round trip idles it between units. When a worker
+embedding workers) each worker also holds the unit after it: the call of its current unit names that one
+(``process(unit, ahead=next)``), so the worker reads and tokenizes it while it encodes the first, and the next
+call finds it ready (its only wait is the driver's round trip, milliseconds). When a worker
 dies (killed, out of memory, its node lost) its unit goes back to the queue and a new actor
 takes its slot (a unit queued behind it had not begun encoding: it goes back to the front of the queue
 without losing an attempt); a unit that has killed ``max_attempts`` workers fails the run, or is set aside
@@ -118,11 +119,11 @@ class UnitRetry:
 
 @dataclass
 class _Call:
-    """One unit handed to a worker: its pending process() call."""
+    """One unit handed to a worker: its pending process() call, or (a unit held behind it) none yet."""
 
     unit: Any
-    ref: Any
-    taken: float  # when the unit's clock started: max(submitted, worker ready, the call before it done)
+    ref: Any  # None: held for this worker, its call made when the one before it is done
+    taken: float  # when the unit's clock started: max(held, worker ready, the call before it done)
 
 
 @dataclass
@@ -135,8 +136,7 @@ class _Slot:
     ready_ref: Any  # the pending __ray_ready__ call; None once answered
     placed: float | None = None  # when Ray gave it a worker process
     ready: float | None = None  # when its __init__ finished
-    calls: list[_Call] = field(default_factory=list)  # in submission order: calls[0] encodes, the rest wait
-    submitted: int = 0  # process() calls made on this actor: the next one's seq
+    calls: list[_Call] = field(default_factory=list)  # in order: calls[0] is in flight, the rest are held
 
     @property
     def unit(self):
@@ -145,8 +145,8 @@ class _Slot:
 
     @property
     def ref(self):
-        """The newest pending process() call; None when idle."""
-        return self.calls[-1].ref if self.calls else None
+        """The pending process() call; None when idle."""
+        return self.calls[0].ref if self.calls else None
 
 
 @dataclass
@@ -162,7 +162,7 @@ class Scheduler:
     failed: list[UnitFailure] = field(default_factory=list)
     replaced: int = 0  # actors started to replace dead or stalled ones
     given_up: int = 0  # slots left empty: their actor could not be placed
-    depth: int = 1  # units in flight per worker; above 1 the actor takes process(unit, seq) and orders them itself
+    depth: int = 1  # units a worker holds; above 1 its actor takes process(unit, ahead=the unit held after it)
 
     def run(self, units: list) -> Iterator:
         """Yield each unit's result as it finishes (completion order)."""
@@ -187,7 +187,7 @@ class Scheduler:
             raise NoWorkerPlaced(self._no_worker_message())
         pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
         # a worker answers its calls in order (a death fails them all): only the first is waited on
-        pending |= {s.calls[0].ref: s for s in live if s.calls}
+        pending |= {s.calls[0].ref: s for s in live if s.calls and s.calls[0].ref is not None}
         done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
         result = None
         if done:
@@ -310,17 +310,21 @@ class Scheduler:
 
     def _fill(self) -> None:
         """Every live worker takes the next unit (a starting one too: its clock starts when it is ready); idle
-        workers first, then each up to ``depth`` units, so few units still spread over every worker."""
+        workers first, then each up to ``depth`` units, so few units still spread over every worker. Then each
+        worker's first unit without a call gets one, naming the unit held after it."""
         for held in range(self.depth):
             for slot in self._slots:
                 if self._queue and slot.actor is not None and len(slot.calls) == held:
-                    self._submit(slot, self._queue.popleft())
+                    slot.calls.append(_Call(self._queue.popleft(), None, taken=time.monotonic()))
+        for slot in self._slots:
+            if slot.actor is not None and slot.calls and slot.calls[0].ref is None:
+                self._submit(slot)
 
-    def _submit(self, slot: _Slot, unit) -> None:
-        ref = (slot.actor.process.remote(unit) if self.depth == 1
-               else slot.actor.process.remote(unit, seq=slot.submitted))
-        slot.calls.append(_Call(unit, ref, taken=time.monotonic()))
-        slot.submitted += 1
+    def _submit(self, slot: _Slot) -> None:
+        call = slot.calls[0]
+        ahead = slot.calls[1].unit if len(slot.calls) > 1 else None
+        call.ref = (slot.actor.process.remote(call.unit) if self.depth == 1
+                    else slot.actor.process.remote(call.unit, ahead=ahead))
 
     def _lost(self, slot: _Slot, unit, *, cause: Cause, error: str, replace: bool) -> None:
         """A failed attempt: requeue the unit, set it aside, or fail the run."""

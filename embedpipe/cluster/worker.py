@@ -1,5 +1,11 @@
 """The worker actor: builds its pipeline once, then encodes work units one at a time, reading the next ahead.
 
+The actor is not threaded (Ray's ``max_concurrency`` 1): its calls run on the process's main thread, one at a
+time, in the order the driver made them. Each call names the unit the driver holds for this worker next
+(``ahead``); one plain thread of the worker reads and tokenizes that unit while the call encodes its own
+(``ReadAhead``). Ray's threaded actors (``max_concurrency`` > 1, or concurrency groups) encoded 10-25 % slower on
+two CPU threads, the same calls and the same CPU-seconds (docs/performance.md, issue 17).
+
 model: the driver's shipped copy, materialized in this node's cache (embedpipe/cluster/modelship.py) ->
 read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> encode -> pool -> write (Parquet part)
 -> manifest record (last: from then on the unit is done, whatever happens to this process).
@@ -11,16 +17,15 @@ import logging
 import resource
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.units import Unit
 
-READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one: the driver's queue per worker
+READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one: the driver holds them for it
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,8 @@ class UnitResult:
 
 
 class EmbedWorker:
-    """Plain class; the driver wraps it with ``ray.remote``, its resources and ``max_concurrency=READ_AHEAD + 1``
-    (a unit encoding, the next one reading)."""
+    """Plain class; the driver wraps it with ``ray.remote`` and its resources (one call at a time: the read-ahead
+    is this worker's own thread)."""
 
     def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
                  incremental: Incremental | None = None, calibration=None, description=None):
@@ -70,7 +75,7 @@ class EmbedWorker:
         from embedpipe.runtime import Encoder
 
         self.index, self.threads = index, threads
-        self._turns = Turns()
+        self._ahead = ReadAhead()
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder.from_job(job, threads=threads)
@@ -89,20 +94,27 @@ class EmbedWorker:
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
         self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,)).to_dict()
 
-    def process(self, unit: Unit, seq: int = 0) -> UnitResult:
-        """Read, screen and tokenize ``unit`` (beside the previous call's encode: the read-ahead), then encode
-        and write it once this actor's earlier calls are through. ``seq``: this call's place in the driver's
-        submission order to this actor (0, 1, 2, ...); the driver keeps at most ``READ_AHEAD + 1`` calls in
-        flight, so at most one unit waits here tokenized while another encodes (memory: two units)."""
-        counters = Counters()
+    def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
+        """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)
+        beside it. ``unit`` itself was read ahead by the previous call when that call named it; otherwise it
+        is read here. A unit whose read failed fails in its own call, never in the one that read it ahead.
+        Memory: two units (this one encoding, the next one tokenized)."""
         try:
-            ahead, failed = self._prepare(unit, counters), None
-        except Exception as exc:  # noqa: BLE001 - raised in its turn: results come back in submission order
-            ahead, failed = None, exc
-        with self._turns.turn(seq):
-            if failed is not None:
-                raise failed
-            return self._encode_and_write(unit, ahead, counters)
+            taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
+            if taken is None:
+                taken = self._read(unit)  # first, alone: the read-ahead is for the encode's time
+        except Exception as exc:  # noqa: BLE001 - raised below, once the next unit's read has begun
+            taken = exc
+        if ahead is not None:
+            self._ahead.start(ahead, self._read)
+        if isinstance(taken, Exception):
+            raise taken
+        counters, prepared = taken
+        return self._encode_and_write(unit, prepared, counters)
+
+    def _read(self, unit: Unit) -> tuple[Counters, "_Ahead"]:
+        counters = Counters()
+        return counters, self._prepare(unit, counters)
 
     def _prepare(self, unit: Unit, counters: Counters) -> "_Ahead":
         """The read side of a unit: its rows, the texts to encode (incremental: the changed ones), tokenized."""
@@ -124,7 +136,7 @@ class EmbedWorker:
         if self.threads:
             import torch
 
-            torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: Ray's pool thread too
+            torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: set where it encodes
         rows = ahead.rows
         extra, ids, doc = None, rows.ids, None
         if self.encoder.chunker is not None:
@@ -243,22 +255,44 @@ class _Ahead:
     reuse: tuple | None = None  # incremental: (reuse mask [N], their previous stored vectors, content hashes)
 
 
-class Turns:
-    """Calls take their turn in submission order: ``seq`` 0, 1, 2, ... per actor, one at a time."""
+class ReadAhead:
+    """One unit read on a thread of its own while the caller encodes another: ``start(unit, read)`` runs
+    ``read(unit)`` there; ``take(unit)`` waits for it and returns its result (raises its exception) when it was
+    that unit, else None (the caller reads the unit itself). One read at a time: ``start`` follows ``take``."""
 
     def __init__(self) -> None:
-        self._next, self._cond = 0, threading.Condition()
+        self._unit_id: str | None = None
+        self._thread: threading.Thread | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
 
-    @contextmanager
-    def turn(self, seq: int) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._next >= seq)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._next = max(self._next, seq + 1)
-                self._cond.notify_all()
+    def start(self, unit: Unit, read) -> None:
+        self._join()
+        self._unit_id, self._result, self._error = unit.id, None, None
+
+        def run() -> None:
+            try:
+                self._result = read(unit)
+            except BaseException as exc:  # noqa: BLE001 - raised by take(), in the unit's own call
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"read-ahead {unit.id}", daemon=True)
+        self._thread.start()
+
+    def take(self, unit: Unit) -> Any:
+        self._join()
+        mine, self._unit_id = self._unit_id == unit.id, None
+        result, error, self._result, self._error = self._result, self._error, None, None
+        if not mine:
+            return None
+        if error is not None:
+            raise error
+        return result
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def node_name() -> str:
