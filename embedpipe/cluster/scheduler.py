@@ -5,7 +5,7 @@ embedding workers) each worker also holds the unit after it: the call of its cur
 (``process(unit, ahead=next)``), so the worker reads and tokenizes it while it encodes the first, and the next
 call finds it ready (its only wait is the driver's round trip, milliseconds). When a worker
 dies (killed, out of memory, its node lost) its unit goes back to the queue and a new actor
-takes its slot (a unit queued behind it had not begun encoding: it goes back to the front of the queue
+takes its slot (a unit held behind it had not begun encoding: it goes back to the front of the queue
 without losing an attempt); a unit that has killed ``max_attempts`` workers fails the run, or is set aside
 when ``on_error`` is ``skip_unit``. Bad input (``InputError``) is never retried: it would fail
 the same way again, and neither is a full or read-only disk (every unit would hit it).
@@ -214,7 +214,7 @@ class Scheduler:
     def _finished(self, slot: _Slot):
         call = slot.calls.pop(0)
         unit, started = call.unit, call.taken if slot.ready is not None else None
-        if slot.calls:  # the queued unit's turn: its clock starts now
+        if slot.calls:  # the held unit's turn: its clock starts now (its call is made in _fill)
             slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
             result = ray.get(call.ref)
