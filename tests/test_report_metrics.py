@@ -44,6 +44,14 @@ def test_per_worker_busy_and_scaling_by_hand():
     assert m["startup_seconds"] == 2.0 and m["padding_efficiency"] == 1.0
 
 
+def test_scaling_takes_its_wall_on_the_spans_clock_when_the_driver_clock_disagrees():
+    # a VM paused mid-run: the spans (time.time()) cover 10 s, the driver's perf_counter saw 7.5 s of them
+    m = _metrics(SPANS, wall_seconds=7.5, ended_at=1010.0)
+    assert m["scaling_efficiency"] == pytest.approx(14 / 20)  # as with agreeing clocks, not 14 / 15
+    assert m["scaling_efficiency_after_startup"] == pytest.approx(14 / 16)
+    assert _metrics(SPANS, wall_seconds=7.5)["scaling_efficiency"] == pytest.approx(14 / 15)  # no end: the wall
+
+
 def test_mfu_by_hand():
     m = _metrics(SPANS)
     fpt = 2 * 2 * (4 * 64 * 64 + 2 * 64 * 128) + 4 * 2 * 4 * 16 * 40  # weights + attention at 40 tokens

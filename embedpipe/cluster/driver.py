@@ -267,7 +267,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     for record in finished.values():  # the manifest's records: the output's totals, resumed units included
         total.merge(Counters.from_dict(record["counters"]))
     _merge_skipped(manifest, output)
-    wall_seconds = time.perf_counter() - started
+    wall_seconds, ended_at = time.perf_counter() - started, time.time()  # the units' spans are on time.time()
     report = build_report(
         total, this_run=this_run, wall_seconds=wall_seconds, workers=len(per_worker),
         units={"total": len(plan.units), "skipped_as_done": len(done), "encoded": len(todo) - len(scheduler.failed),
@@ -287,7 +287,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,
-        cost=job.cost)})
+        cost=job.cost, ended_at=ended_at)})
     fill_usd_saved(report, this_run=this_run)
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
     report = record_run(output, report, started_at=started_at, this_run=this_run)  # runs/<id>/, then the output's

@@ -12,6 +12,9 @@ Definitions (all in report.json, rendered by report/render.py):
   one-worker run for that (``embedpipe report ONE_WORKER_RUN N_WORKER_RUN``).
 - ``scaling_efficiency_after_startup``: the same over the wall seconds after start-up (from the first unit
   taken to the end): what scheduling gaps and idle tails cost, without the run's fixed start-up.
+  Both efficiencies take their wall on the units' clock (``time.time()``: ``ended_at - started_at``), not the
+  driver's ``perf_counter`` of ``wall_seconds``: when the two disagree (a VM paused mid-run steps one of them),
+  the ratio of the spans to the run stays whole.
 - ``mfu``: flops_per_token x tokens / wall seconds / the summed measured peak of all devices, in the
   model's dtype; ``encode_mfu`` divides by encode seconds instead, i.e. how close the encoder ran to
   the hardware while it ran.
@@ -45,13 +48,16 @@ def busy_seconds(stages: dict[str, float]) -> float:
 
 def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devices: list[DeviceInfo],
                 started_at: float, wall_seconds: float, dtype: str, model_config: dict | None,
-                cost: CostConfig) -> dict:
+                cost: CostConfig, ended_at: float | None = None) -> dict:
     """The report sections computed from this run's unit spans, its workers' devices and the model config.
+    ``started_at`` / ``ended_at``: the run's start and end on the spans' clock (time.time()); ``ended_at``
+    None: ``started_at + wall_seconds``.
 
     Like the rates of the base report, throughput, FLOPs, MFU and cost describe this run (``this_run``:
     the units it encoded), not units a resumed run found already done.
     """
     wall = max(wall_seconds, 1e-9)
+    span_wall = max((ended_at - started_at) if ended_at is not None else wall_seconds, 1e-9)  # the spans' clock
     startup = min(s.started for s in spans) - started_at if spans else None  # to the first unit taken
     total = this_run
     fpt, flops = _flops(total, model_config)
@@ -67,9 +73,9 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
         "startup_seconds": round(startup, 3) if startup is not None else None,
         "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
         "busy_source": "encode",  # the stage busy seconds come from
-        "scaling_efficiency": _ratio(worker_seconds, len(devices) * wall),
-        "scaling_efficiency_after_startup": _ratio(worker_seconds, len(devices) * (wall - startup))
-        if startup is not None and wall > startup else None,
+        "scaling_efficiency": _ratio(worker_seconds, len(devices) * span_wall),
+        "scaling_efficiency_after_startup": _ratio(worker_seconds, len(devices) * (span_wall - startup))
+        if startup is not None and span_wall > startup else None,
         "flops_per_token": fpt,
         "flops": flops,
         "mfu": _ratio(fpt * total.tokens / wall, peak_total) if fpt is not None and peak_total else None,
