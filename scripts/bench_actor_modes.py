@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
+from types import SimpleNamespace
 
 from bench_sample import add_sample_arguments, cpu_description, load_texts
 
@@ -30,34 +30,27 @@ MODES = ("plain", "plain+thread", "threaded", "groups")
 
 
 class Worker:
-    def __init__(self, texts_unused: int = 0):
+    def __init__(self):
+        from embedpipe.cluster.worker import ReadAhead
         from embedpipe.runtime import Encoder
 
         self.encoder = Encoder.from_options(MODEL, dtype="float32", threads=2)
         self.encoder.embed(["warm up"] * 64)
-        self.ahead: tuple[threading.Thread, list] | None = None
+        self.ahead = ReadAhead()  # the embedding worker's own read-ahead
 
     def prepare(self, texts: list[str]):
         return self.encoder.prepare(texts)
 
-    def unit(self, texts: list[str], prepared=None, following: list[str] | None = None) -> tuple[int, float]:
-        """Encode ``texts`` (``prepared``: tokenized already); ``following``: read it on a thread meanwhile.
-        Returns (tokens, CPU-seconds of this process during the call)."""
+    def unit(self, index: int, texts: list[str], prepared=None, following: list[str] | None = None) -> tuple[int, float]:
+        """Encode unit ``index`` (``texts``; ``prepared``: tokenized already); ``following``: unit ``index + 1``,
+        read by ReadAhead meanwhile. Returns (tokens, CPU-seconds of this process during the call)."""
         import torch
 
         torch.set_num_threads(2)
         began = os.times()
-        if self.ahead is not None:
-            thread, box = self.ahead
-            thread.join()
-            prepared, self.ahead = box[0], None
-        if prepared is None:
-            prepared = self.encoder.prepare(texts)
+        prepared = self.ahead.take(SimpleNamespace(id=index)) or prepared or self.encoder.prepare(texts)
         if following is not None:
-            box: list = []
-            thread = threading.Thread(target=lambda: box.append(self.encoder.prepare(following)))
-            thread.start()
-            self.ahead = (thread, box)
+            self.ahead.start(SimpleNamespace(id=index + 1), lambda _unit: self.encoder.prepare(following))
         self.encoder.embed(texts, prepared=prepared)
         ended = os.times()
         tokens = sum(int(tok.lengths.sum()) for _, tok, _ in prepared)
@@ -76,14 +69,14 @@ def run_mode(ray, mode: str, units: list[list[str]]) -> tuple[float, float]:
     if mode == "groups":
         prepared = ray.get(actor.prepare.options(concurrency_group="read").remote(units[0]))
         for i, texts in enumerate(units):
-            ref = actor.unit.remote(texts, prepared)
+            ref = actor.unit.remote(i, texts, prepared)
             nxt = actor.prepare.options(concurrency_group="read").remote(units[i + 1]) if i + 1 < len(units) else None
             results.append(ray.get(ref))
             prepared = ray.get(nxt) if nxt is not None else None
     else:
         for i, texts in enumerate(units):
             following = units[i + 1] if mode == "plain+thread" and i + 1 < len(units) else None
-            results.append(ray.get(actor.unit.remote(texts, None, following)))
+            results.append(ray.get(actor.unit.remote(i, texts, None, following)))
     wall = time.perf_counter() - began
     ray.kill(actor)
     tokens, cpu = sum(r[0] for r in results), sum(r[1] for r in results)
@@ -105,8 +98,7 @@ def main() -> int:
     texts = load_texts(args)
     units = [texts[s:s + args.unit_rows] for s in range(0, len(texts), args.unit_rows)]
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                       "PYTHONPATH": os.pathsep.join(sys.path[:1] + [os.getcwd()])}})
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for rnd in range(args.rounds):
         for mode in MODES:

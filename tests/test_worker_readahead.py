@@ -36,7 +36,7 @@ def _unit(path, group: int, copy: int = 0) -> Unit:
 def _reads_on(worker: EmbedWorker) -> list[tuple[str, str]]:
     """Wrap the worker's read: it logs (unit id, thread name) of each read."""
     log: list[tuple[str, str]] = []
-    read = EmbedWorker._read.__get__(worker)
+    read = worker._read
 
     def logged(unit):
         log.append((unit.id, threading.current_thread().name))

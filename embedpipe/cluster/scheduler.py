@@ -187,7 +187,7 @@ class Scheduler:
             raise NoWorkerPlaced(self._no_worker_message())
         pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
         # a worker answers its calls in order (a death fails them all): only the first is waited on
-        pending |= {s.calls[0].ref: s for s in live if s.calls and s.calls[0].ref is not None}
+        pending |= {s.calls[0].ref: s for s in live if s.calls}  # _fill made every first unit's call
         done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
         result = None
         if done:

@@ -25,7 +25,7 @@ from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.units import Unit
 
-READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one: the driver holds them for it
+READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one (ReadAhead holds one): the driver holds it
 
 
 @dataclass(frozen=True)
@@ -101,33 +101,28 @@ class EmbedWorker:
         Memory: two units (this one encoding, the next one tokenized)."""
         try:
             taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
-            if taken is None:
-                taken = self._read(unit)  # first, alone: the read-ahead is for the encode's time
-        except Exception as exc:  # noqa: BLE001 - raised below, once the next unit's read has begun
-            taken = exc
-        if ahead is not None:
-            self._ahead.start(ahead, self._read)
-        if isinstance(taken, Exception):
-            raise taken
-        counters, prepared = taken
+            # not read ahead: read first, alone (the read-ahead is for the encode's time)
+            counters, prepared = taken if taken is not None else self._read(unit)
+        finally:  # a failed read still starts the next unit's
+            if ahead is not None:
+                self._ahead.start(ahead, self._read)
         return self._encode_and_write(unit, prepared, counters)
 
     def _read(self, unit: Unit) -> tuple[Counters, "_Ahead"]:
+        """The read side of a unit: its rows, the texts to encode (incremental: the changed ones), tokenized;
+        with the unit's counters."""
         counters = Counters()
-        return counters, self._prepare(unit, counters)
-
-    def _prepare(self, unit: Unit, counters: Counters) -> "_Ahead":
-        """The read side of a unit: its rows, the texts to encode (incremental: the changed ones), tokenized."""
         with counters.time("read"):
             rows = self.reader(unit)
         if self.encoder.chunker is not None:  # chunked: read ahead, chunked and encoded in its turn
-            return _Ahead(rows=rows, texts=rows.texts, windows=[])
+            return counters, _Ahead(rows=rows, texts=rows.texts, windows=[])
         fresh, reuse = None, None
         texts = rows.texts
         if self.incremental is not None:
             fresh, reuse = self._reuse(unit.id, rows, counters)
             texts = [rows.texts[i] for i in fresh]
-        return _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh, reuse=reuse)
+        return counters, _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh,
+                                reuse=reuse)
 
     def _encode_and_write(self, unit: Unit, ahead: "_Ahead", counters: Counters) -> UnitResult:
         from embedpipe.io.layout import atomic_write_table
