@@ -1,0 +1,146 @@
+"""How close the CPU encoder is to its GEMM floor: the CPU attention backends on the packer's real batches, the
+attention's share of a whole step, and the linears alone for the same tokens.
+
+    .venv/bin/python scripts/bench_attention.py --rows 1000 --threads 2 [--dtype float32]
+
+Prints, interleaved and best of ``--repeats``:
+  - each CPU attention backend (kernels/cpu.py) over one layer of every batch, and its max error vs `reference`;
+  - the whole embed as shipped, and with the attention replaced by a copy of q (the step without attention:
+    not a model, a measurement);
+  - the model's linears alone on the same batch shapes (the GEMM floor), and the ceiling it sets: the engine
+    cannot beat it, whatever is fused or removed around the GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+from bench_sample import add_sample_arguments, cpu_description, load_texts
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+BACKENDS = ("matmul", "sdpa")  # the CPU ones; `reference` is the ground truth
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_sample_arguments(p, rows=1000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes (best kept), interleaved")
+    p.add_argument("--iters", type=int, default=10, help="attention-only passes (best kept)")
+    return p.parse_args()
+
+
+def best_of(runs: dict, *, repeats: int) -> dict[str, float]:
+    """Seconds of each named callable, best of ``repeats``, interleaved."""
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - began)
+    return best
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    from torch import nn
+
+    from embedpipe.runtime import Encoder
+
+    attention = importlib.import_module("embedpipe.kernels.attention")
+    cpu = importlib.import_module("embedpipe.kernels.cpu")
+    torch.set_num_threads(args.threads)
+    texts = load_texts(args)
+    encoder = Encoder.from_options(MODEL, dtype=args.dtype, threads=args.threads)
+    model, dtype = encoder.loaded.model, getattr(torch, args.dtype)
+    shipped = model.attention_backend
+    batches = [b for _, _, packed in encoder.prepare(texts) for b in packed]
+    tokens = sum(b.num_tokens for b in batches)
+    cfg = model.config
+    H, D = cfg.num_heads, cfg.head_dim
+    print(f"{cpu_description()}; torch {torch.__version__}, {args.threads} threads, {args.dtype}, load average "
+          f"{os.getloadavg()[0]:.2f}")
+    print(f"{len(texts):,} rows of {args.corpus.name}: {tokens:,} tokens in {len(batches)} batches; shipped "
+          f"attention backend: {shipped}")
+
+    # 1. attention alone: one layer's call on every batch, random q/k/v as views of one fused projection
+    g = torch.Generator().manual_seed(args.seed)
+    inputs = []
+    for b in batches:
+        qkv = torch.randn(b.num_tokens, 3 * H * D, generator=g).to(dtype)  # [T, 3 H D]
+        q, k, v = qkv.view(b.num_tokens, 3, H, D).unbind(1)  # 3 x [T, H, D]
+        plan = attention.plan_attention(b.cu_seqlens, backend="matmul")
+        inputs.append((q, k, v, b.cu_seqlens, b.max_seqlen, plan))
+
+    def layer_pass(name: str) -> list:
+        fn = attention.BACKENDS[name]
+        return [fn(q, k, v, cu_seqlens=cu, max_seqlen=m, causal=False, window=None, scale=None,
+                   plan=plan if name == "matmul" else None) for q, k, v, cu, m, plan in inputs]
+
+    with torch.no_grad():
+        ref = layer_pass("reference")
+        errors = {name: max((o.float() - r.float()).abs().max().item() for o, r in zip(layer_pass(name), ref))
+                  for name in BACKENDS}
+        alone = best_of({name: (lambda name=name: layer_pass(name)) for name in BACKENDS}, repeats=args.iters)
+    print("\n| attention backend | one layer, every batch | per token per layer | max error vs reference |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in BACKENDS:
+        print(f"| {name}{' (shipped)' if name == shipped else ''} | {alone[name] * 1e3:.1f} ms | "
+              f"{alone[name] * 1e6 / tokens:.2f} us | {errors[name]:.1e} |")
+
+    # 2. the whole embed, and the same step with the attention replaced by a copy of q
+    def no_attention(q, k, v, **_):
+        return q.clone()  # [T, H, D]: what the layers after it read, without the work
+
+    def embed_with(fn):
+        def run():
+            attention.BACKENDS[shipped] = fn
+            try:
+                encoder.embed(texts)
+            finally:
+                attention.BACKENDS[shipped] = real
+        return run
+
+    real = attention.BACKENDS[shipped]
+    encoder.embed(texts[:64])
+
+    # 3. the GEMM floor: every nn.Linear-like module's weights, on each batch's token count, in model order
+    linears = [(m.weight, m.bias) for m in model.modules() if hasattr(m, "weight") and getattr(m, "weight") is not
+               None and m.weight.dim() == 2 and not isinstance(m, nn.Embedding)]
+    onednn = type(next(m for m in model.modules() if m.__class__.__name__ in ("OneDNNLinear", "Linear"))).__name__
+    xs = {b.num_tokens: {w.shape[1]: torch.randn(b.num_tokens, w.shape[1], generator=g).to(dtype)
+                         for w, _ in linears} for b in batches}
+
+    def gemms() -> None:
+        for b in batches:
+            for w, bias in linears:
+                x = xs[b.num_tokens][w.shape[1]]
+                if onednn == "OneDNNLinear":
+                    torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+                else:
+                    torch.nn.functional.linear(x, w, bias)
+
+    with torch.no_grad():
+        whole = best_of({"shipped": embed_with(real), "no attention": embed_with(no_attention), "linears": gemms},
+                        repeats=args.repeats)
+    flops = sum(2 * w.numel() for w, _ in linears) * tokens
+    print("\n| step | seconds | tokens/s | share of the shipped step |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, label in (("shipped", "whole embed as shipped (tokenize, pack, encode, pool)"),
+                        ("no attention", "the same, attention replaced by a copy of q"),
+                        ("linears", f"the linears alone ({onednn}, {flops / whole['linears'] / 1e9:.0f} GFLOP/s)")):
+        print(f"| {label} | {whole[name]:.2f} | {tokens / whole[name]:,.0f} | {whole[name] / whole['shipped']:.0%} |")
+    print(f"\nThe GEMM floor: at most {whole['shipped'] / whole['linears']:.2f}x the shipped engine's tokens/s "
+          f"on this machine, if everything besides the linears cost nothing.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
