@@ -53,9 +53,9 @@ def main() -> int:
     from torch import nn
 
     from embedpipe.runtime import Encoder
+    from embedpipe.runtime.cpu import OneDNNLinear
 
     attention = importlib.import_module("embedpipe.kernels.attention")
-    cpu = importlib.import_module("embedpipe.kernels.cpu")
     torch.set_num_threads(args.threads)
     texts = load_texts(args)
     encoder = Encoder.from_options(MODEL, dtype=args.dtype, threads=args.threads)
@@ -111,31 +111,27 @@ def main() -> int:
     real = attention.BACKENDS[shipped]
     encoder.embed(texts[:64])
 
-    # 3. the GEMM floor: every nn.Linear-like module's weights, on each batch's token count, in model order
-    linears = [(m.weight, m.bias) for m in model.modules() if hasattr(m, "weight") and getattr(m, "weight") is not
-               None and m.weight.dim() == 2 and not isinstance(m, nn.Embedding)]
-    onednn = type(next(m for m in model.modules() if m.__class__.__name__ in ("OneDNNLinear", "Linear"))).__name__
-    xs = {b.num_tokens: {w.shape[1]: torch.randn(b.num_tokens, w.shape[1], generator=g).to(dtype)
-                         for w, _ in linears} for b in batches}
+    # 3. the GEMM floor: the model's own linear modules (oneDNN's where the runtime put them), on each batch's
+    # token count
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, OneDNNLinear))]
+    kind = type(linears[0]).__name__
+    xs = {b.num_tokens: {m.weight.shape[1]: torch.randn(b.num_tokens, m.weight.shape[1], generator=g).to(dtype)
+                         for m in linears} for b in batches}
 
     def gemms() -> None:
         for b in batches:
-            for w, bias in linears:
-                x = xs[b.num_tokens][w.shape[1]]
-                if onednn == "OneDNNLinear":
-                    torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-                else:
-                    torch.nn.functional.linear(x, w, bias)
+            for m in linears:
+                m(xs[b.num_tokens][m.weight.shape[1]])
 
     with torch.no_grad():
         whole = best_of({"shipped": embed_with(real), "no attention": embed_with(no_attention), "linears": gemms},
                         repeats=args.repeats)
-    flops = sum(2 * w.numel() for w, _ in linears) * tokens
+    flops = sum(2 * m.weight.numel() for m in linears) * tokens
     print("\n| step | seconds | tokens/s | share of the shipped step |")
     print("| --- | ---: | ---: | ---: |")
     for name, label in (("shipped", "whole embed as shipped (tokenize, pack, encode, pool)"),
                         ("no attention", "the same, attention replaced by a copy of q"),
-                        ("linears", f"the linears alone ({onednn}, {flops / whole['linears'] / 1e9:.0f} GFLOP/s)")):
+                        ("linears", f"the linears alone ({kind}, {flops / whole['linears'] / 1e9:.0f} GFLOP/s)")):
         print(f"| {label} | {whole[name]:.2f} | {tokens / whole[name]:,.0f} | {whole[name] / whole['shipped']:.0%} |")
     print(f"\nThe GEMM floor: at most {whole['shipped'] / whole['linears']:.2f}x the shipped engine's tokens/s "
           f"on this machine, if everything besides the linears cost nothing.")
