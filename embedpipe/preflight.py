@@ -35,7 +35,7 @@ from embedpipe.errors import BadJob
 from embedpipe.index.factory import FactoryError, parse_factory
 from embedpipe.index.plan import IndexPlan, ModelFacts, plan_index
 from embedpipe.io import fs
-from embedpipe.io.duplicates import IdOccurrences, id_keys
+from embedpipe.io.duplicates import IdOccurrences, exact_keys, id_keys
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.describe import ModelRecord, OutputDescription, describe
 from embedpipe.io.quantize import Calibration, stored_type
@@ -329,7 +329,11 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
             if on_bad_row == "error" and not valid.all():
                 raise null_id_error(unit.file, unit.row_start + int(np.flatnonzero(~valid)[0]))
             seen.add(id_keys(ids)[valid], unit=u, rows=np.flatnonzero(valid))
-        dup_rows = seen.later()  # [D, 2] (unit, row) of the second and later occurrences, input order
+        def unit_ids(u: int) -> pa.Array:  # read again for the units holding a text id's key seen twice
+            return reader.columns(units[u], [id_column]).column(0).combine_chunks()
+
+        exact = first is None or exact_keys(first[1])
+        dup_rows = seen.later(values=None if exact else unit_ids)  # [D, 2] (unit, row) of later occurrences
     if not len(dup_rows):
         return units, 0
     if policy == "error":
