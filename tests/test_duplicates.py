@@ -7,6 +7,9 @@ called a duplicate."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,6 +19,7 @@ import pytest
 import embedpipe.io.duplicates as duplicates
 from embedpipe.errors import InputError
 from embedpipe.io.duplicates import IdOccurrences, id_keys
+from tests.conftest import ROOT
 from tests.test_preflight import _job
 
 
@@ -138,3 +142,12 @@ def test_preflight_drops_only_true_duplicates_when_keys_collide(tmp_path, monkey
     pq.write_table(pa.table({"id": ["dd", "ff", "ee"], "text": list("efg")}), tmp_path / "2.parquet")
     pq.write_table(pa.table({"id": ["aa", "bb", "gg", "cc"], "text": list("abcd")}), tmp_path / "1.parquet")
     assert preflight(_job(tmp_path, tmp_path / "*.parquet")).duplicate_rows == 0  # 7 ids of one length: no repeat
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data").exists(), reason="../shared/data is absent (a user's clone)")
+def test_bench_duplicates_runs_and_every_contender_drops_the_repeats():
+    """scripts/bench_duplicates.py on a small sample, so it cannot rot (it asserts each contender's drops)."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_duplicates.py"), "--rows", "30000",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "30,000 string ids (300 repeats" in done.stdout and "| numpy |" in done.stdout
