@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "embed": ("embedpipe.api", "embed"),
+    "ChunkVectors": ("embedpipe.api", "ChunkVectors"),
     "Job": ("embedpipe.api", "Job"),
     "load_job": ("embedpipe.config", "load_job"),
     "JobSpec": ("embedpipe.config", "JobSpec"),

@@ -793,8 +793,8 @@ if __name__ == "__main__":
 # `output_dtype` is output.dtype).
 OPTION_SECTIONS: dict[str, tuple[str, ...] | None] = {
     "model": None,
-    "output": ("dim", "dtype", "calibration_rows", "calibration_seed"),
-    "input": ("on_bad_row",),
+    "output": ("dim", "dtype", "calibration_rows", "calibration_seed", "document_vectors"),
+    "input": ("on_bad_row", "chunking"),
     "batching": None,
     "runtime": None,
 }
@@ -828,7 +828,9 @@ def job_from_options(model: str, options: dict[str, Any], *, source: str) -> Job
         section, field_name = names[key]
         raw[section][field_name] = value
     with option_errors(source=source):
-        return JobSpec(**{section: parse_section(section, values, source=source) for section, values in raw.items()})
+        job = JobSpec(**{section: parse_section(section, values, source=source) for section, values in raw.items()})
+    _check_document_vectors(job, source)
+    return job
 
 
 @contextlib.contextmanager

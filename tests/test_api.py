@@ -71,7 +71,8 @@ def test_embed_options_are_the_job_schema_fields(minilm_dir):
     assert names["dtype"] == ("model", "dtype") and names["device"] == ("runtime", "device")
     output_fields = {f.name for f in dataclasses.fields(SECTIONS["output"])}
     assert {f for s, f in names.values() if s == "output"} == {"dim", "dtype", "calibration_rows",
-                                                                "calibration_seed"} & output_fields
+                                                                "calibration_seed", "document_vectors"} & output_fields
+    assert {f for s, f in names.values() if s == "input"} == {"on_bad_row", "chunking"}
     job = job_for_options(MODEL, {"max_seq_len": 64, "dtype": "bfloat16", "max_tokens": 1024, "device": "cpu"})
     assert (job.model.max_seq_len, job.model.dtype, job.batching.max_tokens, job.runtime.device) == (64, "bfloat16", 1024, "cpu")
 
@@ -156,6 +157,54 @@ def test_bad_embed_inputs_say_what_to_pass(minilm_dir):
     with pytest.raises(TypeError, match="pass a string, a list of strings"):
         embedpipe.embed(42, model=MODEL)
     assert embedpipe.embed([], model=MODEL).shape == (0, 384)
+
+
+def test_embed_with_chunking_gives_chunks_or_document_vectors(minilm_dir):
+    """chunking= (a mapping, or the mode alone) returns the chunks as ChunkVectors, in input order, with the
+    in-process encoder's offsets and vectors; document_vectors='mean' one vector per row; misuse names the fix."""
+    from embedpipe.api.inprocess import ChunkVectors
+    from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, RuntimeConfig
+    from embedpipe.io.writer import document_means
+    from embedpipe.runtime import Encoder
+
+    long = " ".join(f"Sentence {i} of the long text says something about kernels." for i in range(40))
+    texts = ["a short text", long, "another short one", long[:300]]
+    chunking = {"mode": "split", "max_tokens": 48, "overlap": 4}
+    encoder = Encoder(model=ModelConfig(path=str(minilm_dir)), batching=BatchingConfig(), runtime=RuntimeConfig(),
+                      chunking=ChunkingConfig(**chunking))
+    want_chunks, want = encoder.embed_chunks(texts)
+    got = embedpipe.embed(texts, model=str(minilm_dir), chunking=chunking)
+    assert isinstance(got, ChunkVectors) and len(got) == len(want_chunks) > len(texts) + 4
+    assert got.row.tolist() == want_chunks.doc.tolist() and got.chunk.tolist() == want_chunks.chunk.tolist()
+    assert got.start.tolist() == want_chunks.start.tolist() and got.end.tolist() == want_chunks.end.tolist()
+    np.testing.assert_allclose(got.vectors, want, atol=1e-6)
+    assert sorted(set(got.row.tolist())) == [0, 1, 2, 3] and np.bincount(got.row)[[0, 2]].tolist() == [1, 1]
+    table = got.to_arrow()
+    assert table.column_names == ["row", "chunk", "start", "end", "embedding"] and table.num_rows == len(got)
+    assert table.schema.field("embedding").type == pa.list_(pa.float32(), 384)
+    # the mode alone: the other fields' defaults (max_tokens: the model's max_seq_len)
+    default = embedpipe.embed(texts, model=str(minilm_dir), chunking="split")
+    assert len(texts) < len(default) < len(got)
+    # one vector per row: each row's normalised mean of its chunks, float32 or float16 as output_dtype says
+    means = embedpipe.embed(texts, model=str(minilm_dir), chunking=chunking, document_vectors="mean")
+    assert means.shape == (4, 384) and means.dtype == np.float32
+    np.testing.assert_allclose(means, document_means(want, doc=want_chunks.doc, documents=4), atol=1e-6)
+    np.testing.assert_allclose(means[[0, 2]], embedpipe.embed([texts[0], texts[2]], model=str(minilm_dir)),
+                               atol=1e-6)  # a one-chunk row's mean is its vector
+    half = embedpipe.embed(texts, model=str(minilm_dir), chunking=chunking, document_vectors="mean",
+                           output_dtype="float16")
+    assert half.dtype == np.float16 and np.abs(half.astype(np.float32) - means).max() < 1e-3
+    one = embedpipe.embed(long, model=str(minilm_dir), chunking=chunking, document_vectors="mean")
+    np.testing.assert_allclose(one, means[1], atol=1e-6)
+    frame = embedpipe.embed(pa.table({"text": texts}), model=str(minilm_dir), chunking=chunking,
+                            document_vectors="mean", add_column="v")
+    np.testing.assert_allclose(np.asarray(frame["v"].to_pylist()), means, atol=1e-6)
+    with pytest.raises(TypeError, match="add_column needs one vector per row.*document_vectors='mean'"):
+        embedpipe.embed(pa.table({"text": texts}), model=str(minilm_dir), chunking=chunking, add_column="v")
+    with pytest.raises(JobError, match="document_vectors.*needs chunked documents"):
+        embedpipe.embed(texts, model=str(minilm_dir), document_vectors="mean")
+    with pytest.raises(JobError, match="did you mean input.chunking.max_tokens"):
+        embedpipe.embed(texts, model=str(minilm_dir), chunking={"mode": "split", "max_token": 8})
 
 
 def test_embed_starts_no_ray():

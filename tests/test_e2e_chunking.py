@@ -91,6 +91,22 @@ def test_two_workers_every_chunk_once(tmp_path, documents, encoder, ray_session)
         np.testing.assert_allclose(vector, mean / np.linalg.norm(mean), atol=2e-5)
     records = [json.loads(p.read_text()) for p in (tmp_path / "out" / "_manifest" / "units").glob("*.json")]
     assert all(r["document_parts"][0]["path"].startswith("document_vectors/") for r in records)
+    # embed() in this process with the job's chunking: the CLI's chunk rows and document vectors
+    import embedpipe
+
+    out = ds.dataset(tmp_path / "out" / "vectors", format="parquet").to_table()
+    cli = {(i, c): (s, e, v) for i, c, s, e, v in zip(out["id"].to_pylist(), out["chunk"].to_pylist(),
+                                                     out["start"].to_pylist(), out["end"].to_pylist(),
+                                                     np.asarray(out["embedding"].to_pylist(), dtype=np.float32))}
+    got = embedpipe.embed(documents, model=MODEL, chunking=CHUNKING)
+    ids = documents["id"].to_numpy()[got.row]
+    assert len(got) == len(cli) and list(zip(ids.tolist(), got.chunk.tolist())) == sorted(cli)
+    assert [(s, e) for s, e in zip(got.start.tolist(), got.end.tolist())] == [cli[k][:2] for k in sorted(cli)]
+    np.testing.assert_allclose(got.vectors, np.stack([cli[k][2] for k in sorted(cli)]), atol=2e-5)
+    means = embedpipe.embed(documents, model=MODEL, chunking=CHUNKING, document_vectors="mean")
+    by_id = dict(zip(docs["id"].to_pylist(), np.asarray(docs["embedding"].to_pylist(), dtype=np.float32)))
+    assert means.shape == (40, 384)
+    np.testing.assert_allclose(means, np.stack([by_id[i] for i in documents["id"].to_pylist()]), atol=2e-5)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     per_doc = np.bincount([i - 1000 for i, _ in want])
     assert report["chunking"] == {"documents": 40, "chunks": len(want), "chunks_per_document_mean":

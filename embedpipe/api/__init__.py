@@ -1,6 +1,6 @@
 """The Python API for notebooks and scripts: ``embed()`` in process, ``Job`` on Ray."""
 
-from embedpipe.api.inprocess import embed
+from embedpipe.api.inprocess import ChunkVectors, embed
 from embedpipe.api.job import Job
 
-__all__ = ["Job", "embed"]
+__all__ = ["ChunkVectors", "Job", "embed"]

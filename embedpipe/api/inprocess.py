@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -19,6 +20,8 @@ import pyarrow as pa
 from embedpipe.api.options import job_for_options
 from embedpipe.io.quantize import Calibration
 from embedpipe.io.rows import screen_rows
+from embedpipe.io.writer import document_means
+from embedpipe.text.chunking import Chunks, concat_chunks
 from embedpipe.units import InputError
 
 CHUNK_ROWS = 10_000  # rows tokenized and packed together: the default input.unit_rows, as a worker sees them
@@ -47,22 +50,69 @@ def embed(inputs: str | Sequence[str] | Any, *, model: str, text_column: str = "
 
     Returns ``np.ndarray [N, W]``, one row per input row, in input order: float32 (or float16, int8,
     uint8 with W = D; binary/ubinary packed bits, W = D/8, as ``output.dtype`` says).
+
+    Long documents: ``chunking=`` takes the job file's ``input.chunking`` fields as a mapping
+    (``{"mode": "split", "max_tokens": 256, "overlap": 32}``; ``mode: late`` for long-context models), or the
+    mode alone (``chunking="split"``). It then returns a ``ChunkVectors``: the vectors of every chunk [C, W],
+    documents in input order and chunks in text order, with each chunk's input ``row``, ``chunk`` number and
+    ``start``/``end`` character offsets (``.to_arrow()``: a table of them), as a chunked job writes its rows.
+    With ``document_vectors="mean"`` it returns one vector per input row again (``[N, D]``, ``add_column``
+    allowed): each row's normalised mean of its chunks, as a job's ``document_vectors/``.
     """
     from tqdm.auto import tqdm
 
     job = job_for_options(model, options)
     encoder = _encoder(job)
     parts = [np.empty((0, encoder.dim), dtype=np.float32)]
+    chunked: list[tuple[Chunks, int]] = []  # with chunking: each slice's chunks and its first row
+    rows = 0
     with tqdm(total=_row_count(inputs), unit="rows", disable=not progress, desc="embed") as bar:
         for texts in _text_chunks(inputs, text_column=text_column, on_bad_row=job.input.on_bad_row):
-            parts.append(encoder.embed(texts))
+            if encoder.chunker is None:
+                parts.append(encoder.embed(texts))  # [n, D]
+            else:
+                chunks, vectors = encoder.embed_chunks(texts)  # [c, D], documents in order, chunks in text order
+                parts.append(vectors)
+                chunked.append((chunks, rows))
+            rows += len(texts)
             bar.update(len(texts))
     out = np.concatenate(parts) if len(parts) > 2 else parts[-1]
     if job.output.dtype != "float32":
         out = _quantize(out, job.output, calibration)
+    if encoder.chunker is not None:
+        chunks = concat_chunks([c for c, _ in chunked], offsets=[first for _, first in chunked])
+        if job.output.document_vectors == "none":
+            if add_column is not None:
+                raise TypeError("embed(): add_column needs one vector per row, and chunking gives one per chunk: "
+                                "pass document_vectors='mean' (each row's mean of its chunks), or drop add_column")
+            return ChunkVectors(vectors=out, row=chunks.doc, chunk=chunks.chunk, start=chunks.start, end=chunks.end)
+        out = document_means(out, doc=chunks.doc, documents=rows)  # as a job's document_vectors/ (float16: of the
+        if job.output.dtype != "float32":  # chunks' stored values, and stored as float16 again)
+            out = _quantize(out, job.output, None)
     if isinstance(inputs, str):
         return out[0]
     return out if add_column is None else _with_column(inputs, add_column, out)
+
+
+@dataclass(frozen=True)
+class ChunkVectors:
+    """What ``embed`` returns with ``chunking`` (and ``document_vectors`` none): one row per chunk, documents in
+    input order and chunks in text order, as a chunked job's rows; ``text[start:end]`` is a chunk's text."""
+
+    vectors: np.ndarray  # [C, W] as output_dtype says (float32 [C, D] by default)
+    row: np.ndarray  # [C] int64: the input row (document) of each chunk
+    chunk: np.ndarray  # [C] int32: 0-based within its document
+    start: np.ndarray  # [C] int64: character offset of the chunk's text in its document
+    end: np.ndarray  # [C] int64: one past its last character
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+    def to_arrow(self, *, column: str = "embedding") -> pa.Table:
+        """The chunks as a table: row, chunk, start, end and the vectors (a fixed-size list column)."""
+        flat = pa.array(self.vectors.reshape(-1))
+        return pa.table({"row": self.row, "chunk": self.chunk, "start": self.start, "end": self.end,
+                         column: pa.FixedSizeListArray.from_arrays(flat, self.vectors.shape[1])})
 
 
 def _quantize(vectors: np.ndarray, output, calibration) -> np.ndarray:
@@ -110,7 +160,7 @@ def _encoder(job):
     """One encoder per distinct settings, kept across calls (loading a model takes seconds)."""
     from embedpipe.runtime import Encoder
 
-    key = repr((job.model, job.batching, job.runtime, job.output.dim))  # the sections hold lists: no hash
+    key = repr((job.model, job.batching, job.runtime, job.output.dim, job.input.chunking))  # lists inside: no hash
     if key not in _ENCODERS:
         _ENCODERS[key] = Encoder.from_job(job)
         while len(_ENCODERS) > MAX_ENCODERS:

@@ -2,7 +2,8 @@
 
 Every field of ``model`` (but ``path``, which is ``model=``), ``output.dim``/``output.dtype`` and the
 int8 calibration sample's ``calibration_rows``/``calibration_seed``, ``input.on_bad_row`` (error or embed_empty: embed returns one row per input,
-so skip is refused), and the ``batching`` and ``runtime`` fields, so a new schema field is an
+so skip is refused), ``input.chunking`` (a mapping of its fields, or its mode alone: ``chunking="split"``) and
+``output.document_vectors``, and the ``batching`` and ``runtime`` fields, so a new schema field is an
 option the day it lands. A name two sections share keeps its plain form for the first section
 in ``OPTION_SECTIONS`` and takes ``<section>_`` for the next: ``dtype`` is ``model.dtype``,
 ``output_dtype`` is ``output.dtype``.
@@ -24,6 +25,8 @@ def job_for_options(model: str, options: dict[str, Any], *, source: str = SOURCE
 
     Its input and output sections are placeholders: nothing is read or written through them.
     """
+    if isinstance(options.get("chunking"), str):  # chunking="split": the mode alone, the other fields' defaults
+        options = {**options, "chunking": {"mode": options["chunking"]}}
     job = job_from_options(model, options, source=source)
     if job.input.on_bad_row == "skip":
         raise JobError("on_bad_row", "'skip' would leave rows without a vector (embed returns one row per input)",

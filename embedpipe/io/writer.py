@@ -41,6 +41,14 @@ def write_table_atomic(table: pa.Table, path: TreePath) -> TreePath:
     return atomic_write_table(table, path)
 
 
+
+def document_means(vectors: np.ndarray, *, doc: np.ndarray, documents: int) -> np.ndarray:
+    """[N, D] float32: each document's normalised mean of its chunks' vectors (``vectors`` [C, D], float or
+    float16 stored values; ``doc`` [C] each chunk's document, 0..N-1), summed in float64."""
+    sums = np.zeros((documents, vectors.shape[1]), dtype=np.float64)
+    np.add.at(sums, doc, vectors.astype(np.float64))
+    return (sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)).astype(np.float32)
+
 class ParquetPartWriter:
     """Built once per worker; writes ``<output>/vectors/part-<unit id>.parquet`` per unit
     (``part-<unit id>.<attempt>.parquet`` on an object store, a new name for every attempt).
@@ -75,10 +83,7 @@ class ParquetPartWriter:
         """output.document_vectors: mean: one row per document (``ids``), the normalised mean of its chunks'
         vectors (``vectors`` [C, D] float or float16 stored values, ``doc`` [C] each chunk's document), to
         ``document_vectors/part-<unit>.parquet``."""
-        sums = np.zeros((len(ids), vectors.shape[1]), dtype=np.float64)
-        np.add.at(sums, doc, vectors.astype(np.float64))
-        means = sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)  # [N, D]
-        table = vectors_table(ids, means.astype(np.float32), dtype=self.dtype)
+        table = vectors_table(ids, document_means(vectors, doc=doc, documents=len(ids)), dtype=self.dtype)
         unique = attempt_token() if self.layout.store.unique_parts else None
         return self.layout.store.write_table(table, self.layout.document_part(unit_id, unique))
 
