@@ -212,7 +212,8 @@ def main() -> int:
     args.work = Path(tempfile.mkdtemp(prefix="bench_cpu_"))
     sys.path.insert(0, str(Path(__file__).parent))  # bench_peers, bench_pipeline
     texts = load_texts(args)
-    chunks = [texts[i::args.chunks] for i in range(args.chunks)]  # every chunk spans the whole length range
+    order = chunk_order(len(texts), chunks=args.chunks)  # every chunk spans the whole length range
+    chunks = [[texts[i] for i in part] for part in order]
     model_dir = resolve_model_path(MODEL)
     lengths = TextTokenizer(model_dir, max_seq_len=256)(texts).lengths
     real_tokens = int(lengths.sum())
@@ -256,7 +257,7 @@ def main() -> int:
     base = sum(contenders[0].best.values())
     results = []
     if args.cli:
-        contenders.append(cli_contender(texts, args))
+        contenders.append(cli_contender(texts, args, order=np.concatenate(order)))
         kinds[contenders[-1].name] = "cli"
     for c, kind in zip(contenders, ["st", *kinds.values()]):
         dt = matmul_dtype(kind)
@@ -279,9 +280,16 @@ def main() -> int:
     return 0
 
 
-def cli_contender(texts: list[str], args: argparse.Namespace) -> Contender:
+def chunk_order(rows: int, *, chunks: int) -> list[np.ndarray]:
+    """The rows of each timed chunk, every ``chunks``-th row: the in-process contenders' vectors are their chunks'
+    concatenated, so any other contender's vectors are put in this order before the cosine."""
+    return [np.arange(i, rows, chunks) for i in range(chunks)]
+
+
+def cli_contender(texts: list[str], args: argparse.Namespace, *, order: np.ndarray) -> Contender:
     """`embedpipe run` on these rows (1 worker x --threads, float32, 500-row units), best of --repeats by encoding
-    time (the first unit's start to the last one's end: start-up subtracted, stated on stderr)."""
+    time (the first unit's start to the last one's end: start-up subtracted, stated on stderr). Its vectors, read
+    back by id (the rows' order), are returned in ``order``: the chunks' order of the other contenders."""
     import pyarrow as pa
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
@@ -301,7 +309,7 @@ def cli_contender(texts: list[str], args: argparse.Namespace) -> Contender:
     c = Contender(f"embedpipe fp32 through `embedpipe run`, 1 worker × {args.threads} (start-up {best['startup_s']:.1f} s "
                   f"subtracted; wall {best['wall_s']:.1f} s)", run=lambda texts: None)
     c.best = {0: best["encoding_s"]}  # its CPU time is the workers': not measured here
-    c.vectors = np.asarray(table["embedding"].to_pylist(), dtype=np.float32)
+    c.vectors = np.asarray(table["embedding"].to_pylist(), dtype=np.float32)[order]
     return c
 
 
