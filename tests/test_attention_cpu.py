@@ -116,3 +116,20 @@ def test_matmul_backend_in_small_score_steps(case, monkeypatch):
     ref = attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, backend="reference", **kw)
     out = attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, backend="matmul", **kw)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_matmul_backend_sends_no_bf16_matmul_to_onednn():
+    """bf16 q/k/v: the scores and P V are fp32 matmuls (torch's BLAS), never oneDNN's, whose memory grew ~0.3 MiB per
+    new (n, L) shape on an AMX CPU (docs/reliability.md). Read off ONEDNN_VERBOSE in a fresh process (a CPU with
+    no oneDNN bf16 matmul passes either way)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from embedpipe.kernels import attention\n"
+            "torch.manual_seed(0); q, k, v = (torch.randn(50, 4, 16).bfloat16() for _ in range(3))\n"
+            "cu = torch.tensor([0, 20, 45, 50], dtype=torch.int32)\n"
+            "attention(q, k, v, cu_seqlens=cu, max_seqlen=25, backend='matmul')\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "all"},
+                         capture_output=True, text=True, check=True).stdout
+    assert [line for line in out.splitlines() if ",exec," in line] == []
