@@ -19,8 +19,8 @@ def _data(n: int = 64, d: int = 96):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_layer_norm_on_the_half_input_as_cuda_runs_it_keeps_fp32_statistics(dtype):
-    """CUDA passes the half input to F.layer_norm as it is (one kernel, fp32 accumulation); forced here on CPU,
-    it agrees with the fp32 chain to one rounding of the output, and both with an fp64 reference."""
+    """CUDA (and the CPU for bf16) passes the half input to F.layer_norm as it is (one kernel, fp32 accumulation);
+    on CPU it agrees with the fp32 chain to one rounding of the output, and both with an fp64 reference."""
     x, w, b = _data()
     xs, ws, bs = x.to(dtype), w.to(dtype), b.to(dtype)
     ref = F.layer_norm(xs.double(), (96,), ws.double(), bs.double(), 1e-12)
