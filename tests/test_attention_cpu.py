@@ -23,6 +23,26 @@ def test_plan_groups_cover_every_token_once():
     assert sum(n for _, n, _, _ in plan.groups) == len(LENGTHS)
     lengths = [L for _, _, L, _ in plan.groups]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] == 256
+    assert sorted(plan.slot.tolist() + plan.pad.tolist()) == list(range(plan.rows))  # pad: every row no token fills
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grid_padding_is_zeroed_in_recycled_memory(dtype):
+    """The grid is allocated empty and only its padding rows zeroed: with freed blocks kept in the heap (the CPU
+    encoder's allocator setting) it lands on NaN-filled memory, and P V must still read zeros there."""
+    from embedpipe.runtime.cpu import keep_freed_memory
+
+    keep_freed_memory()
+    cu = torch.nn.functional.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32)
+    plan, T = plan_groups(cu), sum(LENGTHS)
+    q, k, v = torch.randn(T, 3, 4, 16, generator=torch.Generator().manual_seed(0)).to(dtype).unbind(1)
+    want = attention(q, k, v, cu_seqlens=cu, max_seqlen=256, backend="reference")
+    for _ in range(3):
+        torch.empty(plan.rows, 3 * 4 * 16, dtype=dtype).fill_(float("nan"))
+    got = attention(q, k, v, cu_seqlens=cu, max_seqlen=256, backend="matmul", plan=plan)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 TINY = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
