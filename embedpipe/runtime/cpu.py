@@ -81,7 +81,10 @@ class OneDNNLinear(nn.Module):
         n = rows.shape[0]
         padded = padded_rows(n)
         if padded != n:  # zero rows: few distinct shapes (see padded_rows)
-            rows = F.pad(rows, (0, 0, 0, padded - n))  # [N', in]
+            grown = rows.new_empty(padded, rows.shape[1])  # [N', in]: F.pad zeroed all of it before copying
+            grown[:n].copy_(rows)  # (its fill was 5% of the fp32 step on an AMX CPU)
+            grown[n:].zero_()
+            rows = grown
         out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")[:n]  # [N, out]
         return out.view(*x.shape[:-1], out.shape[-1])
 
