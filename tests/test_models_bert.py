@@ -83,6 +83,12 @@ def test_mean_pool_is_exact_in_a_long_pack():
     got = pool(hidden, cu, mode="mean")
     want = torch.stack([h.double().mean(0) for h in hidden.split(lens.tolist())]).float()
     assert (got - want).abs().max().item() <= 1e-6
+    for b in (0, 80, 159):  # on CPU, bit for bit the mean of the sequence pooled alone
+        s, e = int(cu[b]), int(cu[b + 1])
+        assert torch.equal(pool(hidden[s:e], torch.tensor([0, e - s]), mode="mean")[0], got[b])
+    skipped = pool(hidden, cu, mode="mean", skip=3)  # a prompt of 3 tokens left out; nothing left: a zero vector
+    want = torch.stack([h[3:].double().sum(0) / max(len(h) - 3, 1) for h in hidden.split(lens.tolist())]).float()
+    assert (skipped - want).abs().max().item() <= 1e-6
 
 
 def test_flops_per_token_bert_base_hand_count():
