@@ -130,8 +130,8 @@ def _matmul(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None
                 s.masked_fill_(~(mask[a:a + step] if mask.dim() == 4 else mask), float("-inf"))
             # P V in fp32 too: a bf16 matmul goes to oneDNN, whose memory grows ~0.3 MiB per new shape it meets
             # (even with its primitive cache off), and groups make a new (n, L) in almost every batch
-            outs.append(torch.matmul(torch.softmax(s, -1), v4[a:a + step].float()).to(v4.dtype))  # [s, H, L, D]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            outs.append(torch.matmul(torch.softmax(s, -1), v4[a:a + step].float()))  # [s, H, L, D] fp32
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # cast to q's dtype as _grouped places it
 
     plan = plan if plan is not None else plan_groups(cu_seqlens)  # a direct call: planned here
     return _grouped(q, k, v, plan, causal=causal, window=window, group_attention=attend)
@@ -160,7 +160,7 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
         gq, gk, gv = (g[:, a * D:b * D].view(plan.rows, -1, D) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
     else:
         gq, gk, gv = (grid(x.reshape(T, -1)).view(plan.rows, -1, D) for x in (q, k, v))  # [rows, h, D]
-    outs = []
+    out = q.new_empty(plan.rows, H, D)  # [rows, H, D] every group's output in its grid rows (padding rows unread)
     for row, n, L, key_ok in plan.groups:
         def view(g: Tensor) -> Tensor:  # this group's rows as [n, h, L, D]
             return g[row:row + n * L].view(n, L, -1, D).transpose(1, 2)
@@ -169,9 +169,9 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
         allowed = _allowed(L, causal=causal, window=window, device=q.device)
         if allowed is not None:
             mask = allowed if mask is None else mask & allowed  # [n, 1, L, L]
-        o = group_attention(view(gq), view(gk), view(gv), mask)  # [n, H, L, D]
-        outs.append(o.transpose(1, 2).reshape(n * L, H, D))
-    return torch.cat(outs)[plan.slot]  # [T, H, D]
+        o = group_attention(view(gq), view(gk), view(gv), mask)  # [n, H, L, D], any float dtype
+        view(out).copy_(o)  # one pass: transposed back into the grid and cast to q's dtype
+    return out[plan.slot]  # [T, H, D]
 
 
 def _fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
