@@ -27,7 +27,8 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sample_arguments(p, rows=2000)
     p.add_argument("--tree", action="append", required=True, help="NAME=PATH, two or more; the first is the base")
     p.add_argument("--dtypes", default="bfloat16,float32")
