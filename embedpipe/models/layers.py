@@ -30,7 +30,7 @@ class LayerNorm(nn.LayerNorm):
 
     fp32, bf16, and fp16 on CUDA: one F.layer_norm call on the input as it is (torch's kernels accumulate
     half inputs in fp32: one fused kernel, no fp32 copies of the activations; MiniLM bf16 on an AMX CPU:
-    +3 % tokens/s, two fp32 copies per norm saved). fp16 on CPU: the input is upcast first (no fast fp16
+    +2-6 % tokens/s, two fp32 copies per norm saved). fp16 on CPU: the input is upcast first (no fast fp16
     path on these CPUs). Both compute the same statistics in fp32 (tests/test_layers.py pins it on CPU).
     """
 
