@@ -48,7 +48,7 @@ def _reference(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=N
     return out
 
 
-def _segments(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
+def segments(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
     """For each of `total` packed tokens: its sequence index and position within it ([total], [total])."""
     n = cu.numel() - 1
     seq = torch.repeat_interleave(torch.arange(n, device=cu.device), cu[1:] - cu[:-1], output_size=total)
@@ -60,7 +60,7 @@ def _sdpa_padded(q, k, v, cu: Tensor, max_seqlen: int, *, causal, window, scale)
     # key-padding mask, gather back. No host sync: B and Lmax are known without reading cu.
     T, H, D = q.shape
     B, L, dev = cu.numel() - 1, max_seqlen, q.device
-    seq, pos = _segments(cu, T)  # [T], [T]
+    seq, pos = segments(cu, T)  # [T], [T]
     slot = seq * L + pos  # [T] row of each token in the flat [B * L] grid
 
     def pad(x: Tensor) -> Tensor:  # [T, h, D] -> [B, h, L, D]
@@ -100,7 +100,7 @@ def _sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) 
         return torch.empty_like(q)
     if len(bands) == 1 and bool((lens > 0).all()):
         return _sdpa_padded(q, k, v, cu, (bands[0] + 1) * _BUCKET, **kw)
-    seq, _ = _segments(cu, q.shape[0])  # [T] sequence of each token
+    seq, _ = segments(cu, q.shape[0])  # [T] sequence of each token
     out = torch.empty_like(q)
     for b in bands:
         chosen = (band == b) & (lens > 0)  # [B]
@@ -228,7 +228,7 @@ def plan_groups(cu_seqlens: Tensor) -> CpuPlan:
             key_ok = (torch.arange(L)[None, :] < lens[order[a:b]][:, None])[:, None, None, :]  # [n, 1, 1, L]
         groups.append((row, n, L, key_ok))
         row += n * L
-    seq, pos = _segments(cu, int(cu[-1]))  # [T], [T]
+    seq, pos = segments(cu, int(cu[-1]))  # [T], [T]
     slot = first_row[seq] + pos  # [T]
     filled = torch.zeros(row, dtype=torch.bool).index_fill_(0, slot, True)  # [rows]
     return CpuPlan(slot=slot, rows=row, pad=(~filled).nonzero().squeeze(1), groups=tuple(groups))
