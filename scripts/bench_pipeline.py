@@ -24,11 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_sample import add_sample_arguments, cpu_description, load_texts
+from bench_sample import MODEL, add_sample_arguments, cpu_description, engine_passes, load_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
-MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,22 +51,6 @@ def sample(args: argparse.Namespace, folder: Path) -> tuple[Path, list[str]]:
     pq.write_table(pa.table({"id": [f"p{i:06d}" for i in range(len(texts))], "text": texts}), path,
                    row_group_size=max(args.unit_rows // 2, 1))
     return path, texts
-
-
-def engine_tokens_per_s(texts: list[str], *, threads: int, repeats: int) -> tuple[float, int]:
-    """The in-process engine (float32, the job defaults), best of ``repeats`` after a warm-up pass."""
-    from embedpipe.report.counters import Counters
-    from embedpipe.runtime import Encoder
-
-    encoder = Encoder.from_options(MODEL, dtype="float32", threads=threads)
-    encoder.embed(texts[:256])
-    best, tokens = float("inf"), 0
-    for _ in range(repeats):
-        counters = Counters()
-        began = time.perf_counter()
-        encoder.embed(texts, counters)
-        best, tokens = min(best, time.perf_counter() - began), counters.tokens
-    return tokens / best, tokens
 
 
 def write_job(folder: Path, name: str, *, data: Path, unit_rows: int, workers: int, cpus: int) -> Path:
@@ -124,7 +107,7 @@ def main() -> int:
         best: dict[tuple[str, str], dict] = {}
         for rep in range(args.repeats):  # the engine measured again each pass, between the CLI runs
             for t in sorted({w * c for w, c in layouts}):
-                engine[t] = max(engine.get(t, 0.0), engine_tokens_per_s(texts, threads=t, repeats=1)[0])
+                engine[t] = max(engine.get(t, 0.0), engine_passes(texts, dtype="float32", threads=t, repeats=1)[0])
             print(f"  pass {rep + 1}: engine (in process, float32): "
                   + ", ".join(f"{t} threads {v:,.0f} tokens/s (best so far)" for t, v in engine.items()),
                   file=sys.stderr, flush=True)

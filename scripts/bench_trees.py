@@ -18,19 +18,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench_sample import add_sample_arguments, cpu_description, load_texts
-
-MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+from bench_sample import add_sample_arguments, cpu_description, engine_passes, load_texts
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sample_arguments(p, rows=2000)
-    p.add_argument("--tree", action="append", required=True, help="NAME=PATH, two or more; the first is the base")
+    p.add_argument("--tree", action="append", default=[], help="NAME=PATH, two or more; the first is the base")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="alternations of every tree")
@@ -42,28 +39,17 @@ def parse_args() -> argparse.Namespace:
 def child(args: argparse.Namespace) -> None:
     """One process: this tree's engine on the texts; prints tokens/s and saves the vectors."""
     import numpy as np
-    import torch
 
     import embedpipe
-    from embedpipe.runtime import Encoder
 
     tree = Path(os.environ["PYTHONPATH"])
     if tree not in Path(embedpipe.__file__).resolve().parents:  # the tree's package, not the installed one
         raise SystemExit(f"embedpipe was imported from {embedpipe.__file__}, not from the tree {tree}")
-
     dtype, texts_path, vectors_path = args.child
-    texts = json.loads(Path(texts_path).read_text())
-    torch.set_num_threads(args.threads)
-    encoder = Encoder.from_options(MODEL, dtype=dtype, threads=args.threads)
-    tokens = int(encoder.tokenizer(texts).lengths.sum())
-    encoder.embed(texts[:300])  # warm-up
-    best = float("inf")
-    for _ in range(args.repeats):
-        began = time.perf_counter()
-        vectors = encoder.embed(texts)
-        best = min(best, time.perf_counter() - began)
+    rate, _, vectors = engine_passes(json.loads(Path(texts_path).read_text()), dtype=dtype, threads=args.threads,
+                                     repeats=args.repeats)
     np.save(vectors_path, vectors)
-    print(json.dumps({"tokens_per_s": tokens / best}))
+    print(json.dumps({"tokens_per_s": rate}))
 
 
 def main() -> int:
@@ -74,6 +60,8 @@ def main() -> int:
     import numpy as np
 
     trees = [tuple(t.split("=", 1)) for t in args.tree]
+    if len(trees) < 2:
+        raise SystemExit("give two or more --tree NAME=PATH: the first is the base the others are compared with")
     print(cpu_description())
     with tempfile.TemporaryDirectory() as tmp:
         texts_path = Path(tmp) / "texts.json"
@@ -84,7 +72,7 @@ def main() -> int:
                 for name, path in trees:
                     env = {**os.environ, "PYTHONPATH": str(Path(path).resolve()), "TOKENIZERS_PARALLELISM": "false"}
                     out = subprocess.run([sys.executable, __file__, "--threads", str(args.threads), "--repeats",
-                                          str(args.repeats), "--tree", args.tree[0], "--child", dtype, str(texts_path),
+                                          str(args.repeats), "--child", dtype, str(texts_path),
                                           f"{tmp}/{name}_{dtype}.npy"], env=env, capture_output=True, text=True,
                                          check=True).stdout
                     rates[name].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
