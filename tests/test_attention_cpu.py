@@ -153,3 +153,28 @@ def test_matmul_backend_sends_no_bf16_matmul_to_onednn():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "all"},
                          capture_output=True, text=True, check=True).stdout
     assert [line for line in out.splitlines() if ",exec," in line] == []
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_rows_past_the_pack_are_ignored_and_come_back_zero(case, fused):
+    """A CPU runner's row padding (runtime/runners.py EagerRunner rows_for): q/k/v carry rows past cu_seqlens[-1],
+    filled here with NaN; the real rows' output is the unpadded call's, bit for bit, and the padding rows' is 0."""
+    from embedpipe.kernels.attention import PADDED_ROWS
+
+    assert "matmul" in PADDED_ROWS
+    H, Hkv, causal, window, scale = CASES[case]
+    kw = dict(causal=causal, window=window, scale=scale)
+    q, k, v, cu, max_len = packed_qkv(LENGTHS, H, Hkv)
+    T, D, extra = q.shape[0], q.shape[2], 13
+    want = attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, backend="matmul", **kw)
+    nan = torch.full((extra, (H + 2 * Hkv) * D), float("nan"))
+    qkv = torch.cat([torch.cat([x.reshape(T, -1) for x in (q, k, v)], 1), nan])  # [T + extra, (H + 2 Hkv) D]
+    split = (qkv[:, :H * D].view(-1, H, D), qkv[:, H * D:(H + Hkv) * D].view(-1, Hkv, D),
+             qkv[:, (H + Hkv) * D:].view(-1, Hkv, D))
+    if not fused:
+        split = tuple(x.clone() for x in split)
+    got = attention(*split, cu_seqlens=cu, max_seqlen=max_len, backend="matmul", **kw)
+    assert got.shape == (T + extra, H, D)
+    assert torch.equal(got[:T], want)
+    assert torch.equal(got[T:], torch.zeros(extra, H, D))

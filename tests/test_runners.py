@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from embedpipe.models import load_model
 from embedpipe.runtime.buckets import Bucketer
@@ -14,7 +15,7 @@ from embedpipe.runtime.runners import DeviceRunner, EagerRunner, build_runner
 from embedpipe.runtime.warmup import compare, run_batches
 from embedpipe.text.packer import TokenPacker
 from embedpipe.text.tokenizer import Tokenized
-from tests.model_helpers import save_tiny_bert
+from tests.model_helpers import save_tiny_bert, save_tiny_text_model
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 MAX_SEQ_LEN, MAX_TOKENS, N = 128, 1024, 150
@@ -141,3 +142,52 @@ def test_cpu_gets_the_eager_runner(tiny_dir):
     runner = build_runner(model, head, device="cpu", max_seq_len=MAX_SEQ_LEN,
                           batching=BatchingConfig(max_tokens=MAX_TOKENS), runtime=RuntimeConfig())
     assert isinstance(runner, EagerRunner)
+
+
+def _family_dir(family, path):
+    if family == "bert":
+        save_tiny_bert(path)
+    else:
+        from tests.test_models_modernbert import tiny_hf as modernbert
+        from tests.test_models_qwen3 import tiny_hf as qwen3
+
+        {"modernbert": modernbert, "qwen3": qwen3}[family]().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
+def test_row_padding_once_per_forward_gives_the_same_bits(family, dtype, batches, tmp_path):
+    """The pack padded once to the rows oneDNN's linears compute (rows_for) instead of a copy in every linear:
+    BERT's vectors are bit for bit those of the unpadded pack through the same linears (its elementwise ops run on
+    whole rows); the gated MLPs' ops on column halves of a projection may round an element differently at
+    another row count (ATen's scalar tail where a thread's share ends), as any change of batch does."""
+    from embedpipe.runtime.cpu import padded_rows, use_onednn_linears
+
+    lm = load_model(_family_dir(family, tmp_path), dtype=dtype, device="cpu", attention_backend="matmul")
+    if not use_onednn_linears(lm.model):
+        pytest.skip(f"oneDNN has no {dtype} linear on this CPU")
+    head = lm.build_head(pooling="mean", normalize=True)
+    assert any(padded_rows(b.num_tokens) > b.num_tokens for b in batches)  # the padding is exercised
+    want = run_batches(EagerRunner(lm.model, head, device="cpu"), batches, N)
+    got = run_batches(EagerRunner(lm.model, head, device="cpu", rows_for=padded_rows), batches, N)
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    if family == "bert":
+        assert torch.equal(got, want)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    else:
+        assert F.cosine_similarity(got, want).min() >= 0.999
+
+
+@pytest.mark.parametrize("linears, backend, padded", [("onednn", "matmul", True), ("torch", "matmul", False),
+                                                      ("onednn", "sdpa", False)])
+def test_the_cpu_encoder_pads_rows_once_where_its_linears_and_attention_take_it(linears, backend, padded, tmp_path):
+    from embedpipe.runtime import Encoder
+    from embedpipe.runtime.cpu import onednn_linear_works, padded_rows
+
+    if linears == "onednn" and not onednn_linear_works(torch.float32):
+        pytest.skip("oneDNN's linear does not run on this CPU")
+    encoder = Encoder.from_options(str(save_tiny_text_model(tmp_path)), cpu_linears=linears, attention=backend,
+                                   warmup_check=False)
+    assert encoder.runner.rows_for is (padded_rows if padded else None)

@@ -47,7 +47,7 @@ from embedpipe.kernels.cuda import (
 logger = logging.getLogger(__name__)
 
 # re-exported: callers and tests name them here
-__all__ = ["BACKENDS", "PLANNERS", "CpuPlan", "attention", "available_backends", "plan_attention", "plan_groups",
+__all__ = ["BACKENDS", "PADDED_ROWS", "PLANNERS", "CpuPlan", "attention", "available_backends", "plan_attention", "plan_groups",
            "select_backend", "_fused_rows", "_varlen_kwargs", "_varlen_params", "_window_size"]
 
 # every backend: fn(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan) -> [T, H, D]
@@ -60,6 +60,9 @@ BACKENDS: dict[str, Callable[..., Tensor]] = {
 }
 # backends that work something out once per batch from cu_seqlens alone: backend -> planner
 PLANNERS: dict[str, Callable[[Tensor], Any]] = {"matmul": plan_groups}
+# backends whose q/k/v may carry rows past cu_seqlens[-1] (a CPU runner's row padding: runtime/runners.py); their
+# output there is zero and no real row reads them
+PADDED_ROWS: frozenset[str] = frozenset({"matmul"})
 
 
 def plan_attention(cu_seqlens: Tensor, *, backend: str) -> Any:

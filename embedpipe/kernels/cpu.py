@@ -147,21 +147,24 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
     # kernel-docs paragraphs (bf16, per token per layer): 16-token bands recomputed per layer
     # 30 us wall; a per-sequence loop 3 us CPU on one thread but ~100 us wall on two under load;
     # length groups planned once per batch 18 us wall (same load), 2.7 us on a quiet machine.
-    T, H, D = q.shape
+    # rows past the packed tokens (a CPU runner's row padding, runtime/runners.py) are left out of the grid; their
+    # output rows are zero
+    rows, H, D = q.shape
+    T = plan.slot.numel()  # [T] packed tokens
     if T == 0:
-        return torch.empty_like(q)
+        return q.new_zeros(q.shape)
 
     def grid(x: Tensor) -> Tensor:  # [T, w] -> [rows, w], each group's sequences padded to its length with zeros
         # only the padding rows are zeroed (a whole-grid zero fill was 6-8 % of the CPU step); P V reads them
-        return x.new_empty(plan.rows, x.shape[1]).index_copy_(0, plan.slot, x).index_fill_(0, plan.pad, 0)
+        return x.new_empty(plan.rows, x.shape[1]).index_copy_(0, plan.slot, x[:T]).index_fill_(0, plan.pad, 0)
 
-    fused = _fused_rows(q, k, v)  # [T, (H + 2 Hkv) * D]: the q/k/v projection they are views of
+    fused = _fused_rows(q, k, v)  # [rows, (H + 2 Hkv) * D]: the q/k/v projection they are views of
     if fused is not None:  # one scatter for all three
         g, Hkv = grid(fused), k.shape[1]
         gq, gk, gv = (g[:, a * D:b * D].view(plan.rows, -1, D) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
     else:
-        gq, gk, gv = (grid(x.reshape(T, -1)).view(plan.rows, -1, D) for x in (q, k, v))  # [rows, h, D]
-    out = q.new_empty(plan.rows, H, D)  # [rows, H, D] every group's output in its grid rows (padding rows unread)
+        gq, gk, gv = (grid(x.reshape(rows, -1)).view(plan.rows, -1, D) for x in (q, k, v))  # [grid rows, h, D]
+    out = q.new_empty(plan.rows, H, D)  # [grid rows, H, D] every group's output in its grid rows (padding unread)
     for row, n, L, key_ok in plan.groups:
         def view(g: Tensor) -> Tensor:  # this group's rows as [n, h, L, D]
             return g[row:row + n * L].view(n, L, -1, D).transpose(1, 2)
@@ -172,7 +175,12 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
             mask = allowed if mask is None else mask & allowed  # [n, 1, L, L]
         o = group_attention(view(gq), view(gk), view(gv), mask)  # [n, H, L, D], any float dtype
         view(out).copy_(o)  # one pass: transposed back into the grid and cast to q's dtype
-    return out[plan.slot]  # [T, H, D]
+    if rows == T:
+        return out[plan.slot]  # [T, H, D]
+    result = q.new_empty(rows, H, D)  # [rows, H, D]: gathered in place, the padding rows zeroed (no copy later)
+    torch.index_select(out, 0, plan.slot, out=result[:T])
+    result[T:].zero_()
+    return result
 
 
 def _fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:

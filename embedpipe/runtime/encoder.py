@@ -12,12 +12,13 @@ import torch
 
 from embedpipe.config import (BatchingConfig, ChunkingConfig, JobError, JobSpec, ModelConfig, RuntimeConfig,
                               resolve_dtype)
+from embedpipe.kernels.attention import PADDED_ROWS
 from embedpipe.models import load_model
 from embedpipe.models.defaults import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
 from embedpipe.report.counters import Counters
-from embedpipe.runtime.cpu import keep_freed_memory, place_linears
+from embedpipe.runtime.cpu import keep_freed_memory, padded_rows, place_linears
 from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
@@ -60,8 +61,11 @@ class Encoder:
         self.model_dir = resolve_model_path(model.path, storage_options=model.storage_options)
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
+        rows_for = None  # the CPU runner's row padding: one per forward instead of a copy in every linear
         if self.device == "cpu":
-            place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime.cpu_linears (runtime/cpu.py)
+            linears = place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime.cpu_linears (runtime/cpu.py)
+            if linears == "onednn" and getattr(self.loaded.model, "attention_backend", None) in PADDED_ROWS:
+                rows_for = padded_rows
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
         self.max_seq_len = effective_max_seq_len(model.max_seq_len, spec=spec, max_positions=self.loaded.max_positions)
@@ -85,7 +89,7 @@ class Encoder:
                                    chunker=self.chunker, device=self.device, context=self.max_seq_len, dim=self.dim,
                                    sort_window=batching.sort_window)
         self.runner = build_runner(self.loaded.model, self.head, device=self.device, max_seq_len=self.max_seq_len,
-                                   batching=batching, runtime=runtime)
+                                   batching=batching, runtime=runtime, rows_for=rows_for)
         log.info("encoder %s on %s (%s, %s runner), dim %d, max_seq_len %d", self.model_dir.name, self.device,
                  self.dtype, self.runner.name, self.dim, self.max_seq_len)
         self.warmup = warmup_guard(self) if runtime.warmup_check else None  # raises WarmupDivergence

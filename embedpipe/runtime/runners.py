@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from embedpipe.config import BatchingConfig, RuntimeConfig
-from embedpipe.runtime.buckets import Bucketer, Shape, exact_shape, fill_inputs
+from embedpipe.runtime.buckets import PAD_ID, Bucketer, Shape, exact_shape, fill_inputs
 from embedpipe.runtime.graphs import CudaGraphs, GraphCache
 from embedpipe.runtime.staging import Event, HostEvent, LazyResult, StagingRing
 from embedpipe.text.packer import Batch
@@ -36,21 +36,33 @@ class Runner(Protocol):
 
 
 class EagerRunner:
-    """The model as written, one batch at a time; also the fp32 reference of the warmup guard."""
+    """The model as written, one batch at a time; also the fp32 reference of the warmup guard.
+
+    ``rows_for``: the rows the model's linears compute for T tokens (runtime/cpu.py padded_rows, where oneDNN's
+    linears pad their inputs to few shapes). The pack then enters the model padded to that many rows once
+    (token id PAD_ID at position 0, outside every sequence of cu_seqlens), so no linear copies its input to pad it;
+    the attention backend must accept such rows (kernels.attention PADDED_ROWS). None: the pack as it is."""
 
     name = "eager"
 
-    def __init__(self, model: nn.Module, head: nn.Module, *, device: str | torch.device):
+    def __init__(self, model: nn.Module, head: nn.Module, *, device: str | torch.device,
+                 rows_for: Callable[[int], int] | None = None):
         self.model, self.head, self.device = model, head, torch.device(device)
+        self.rows_for = rows_for
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> Tensor:
         """[B, D] float32 on the device."""
         dev = self.device
         cu = batch.cu_seqlens.to(dev, non_blocking=True)
-        hidden = self.model(batch.input_ids.to(dev, non_blocking=True), batch.positions.to(dev, non_blocking=True),
-                            cu, batch.max_seqlen)  # [T, H]
-        return self.head(hidden, cu)  # [B, D]
+        ids, positions = batch.input_ids, batch.positions  # [T], [T]
+        T = ids.numel()
+        extra = self.rows_for(T) - T if self.rows_for is not None else 0
+        if extra > 0:  # [rows]: the padding rows belong to no sequence; the head never reads them
+            ids, positions = F.pad(ids, (0, extra), value=PAD_ID), F.pad(positions, (0, extra))
+        hidden = self.model(ids.to(dev, non_blocking=True), positions.to(dev, non_blocking=True),
+                            cu, batch.max_seqlen)  # [rows, H]
+        return self.head(hidden[:T], cu)  # [B, D]
 
     def submit(self, batch: Batch) -> LazyResult:
         # a copy outside inference mode: callers may edit the result in place
@@ -114,10 +126,11 @@ class DeviceRunner:
 
 
 def build_runner(model: nn.Module, head: nn.Module, *, device: str, max_seq_len: int, batching: BatchingConfig,
-                 runtime: RuntimeConfig) -> EagerRunner | DeviceRunner:
-    """CPU: eager. CUDA: staged, and bucketed (`batching.buckets`) + graphed unless `runtime.cuda_graphs` is off."""
+                 runtime: RuntimeConfig, rows_for: Callable[[int], int] | None = None) -> EagerRunner | DeviceRunner:
+    """CPU: eager (``rows_for``: see EagerRunner). CUDA: staged, and bucketed (`batching.buckets`) + graphed unless
+    `runtime.cuda_graphs` is off."""
     if torch.device(device).type != "cuda":
-        runner: EagerRunner | DeviceRunner = EagerRunner(model, head, device=device)
+        runner: EagerRunner | DeviceRunner = EagerRunner(model, head, device=device, rows_for=rows_for)
     else:
         bucketer = Bucketer(max_tokens=batching.max_tokens, max_seq_len=max_seq_len, token_buckets=batching.buckets)
         graphs = None
