@@ -47,8 +47,8 @@ from embedpipe.kernels.cuda import (
 logger = logging.getLogger(__name__)
 
 # re-exported: callers and tests name them here
-__all__ = ["BACKENDS", "PADDED_ROWS", "PLANNERS", "CpuPlan", "attention", "available_backends", "plan_attention", "plan_groups",
-           "select_backend", "_fused_rows", "_varlen_kwargs", "_varlen_params", "_window_size"]
+__all__ = ["BACKENDS", "PADDED_ROWS", "PLANNERS", "CpuPlan", "attention", "available_backends", "plan_attention",
+           "plan_groups", "select_backend", "_fused_rows", "_varlen_kwargs", "_varlen_params", "_window_size"]
 
 # every backend: fn(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan) -> [T, H, D]
 BACKENDS: dict[str, Callable[..., Tensor]] = {

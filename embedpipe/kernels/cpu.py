@@ -160,7 +160,7 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
         return x.index_select(0, plan.source)
 
     fused = _fused_rows(q, k, v)  # [rows, (H + 2 Hkv) * D]: the q/k/v projection they are views of
-    if fused is not None:  # one scatter for all three
+    if fused is not None:  # one gather for all three
         g, Hkv = grid(fused), k.shape[1]
         gq, gk, gv = (g[:, a * D:b * D].view(plan.rows, -1, D) for a, b in ((0, H), (H, H + Hkv), (H + Hkv, H + 2 * Hkv)))
     else:

@@ -97,7 +97,9 @@ def padded_rows(n: int) -> int:
     else of 16. oneDNN keeps memory per input shape it has seen (even with its primitive cache off: a
     tiny BERT's worker grew ~90 MiB per 200k rows with one shape per 64 rows, ~10 with one per 256, as
     without oneDNN), and the packer makes a new token count in almost every batch; these steps allow
-    68 shapes up to 8,192 rows for at most 3% padding on full batches (<= 24% on rare small ones)."""
+    68 shapes up to 8,192 rows for at most 3% padding on full batches (<= 24% on rare small ones). The CPU
+    encoder's runner pads its pack to this once per forward (runtime/runners.py EagerRunner ``rows_for``), so the
+    linears meet inputs already this tall and copy nothing (a copy per linear was ~10 % of MiniLM's bf16 step)."""
     step = next(step for above, step in ROW_STEPS if n > above)
     return -(-n // step) * step
 
