@@ -302,9 +302,9 @@ class ClusterConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when the worker has a GPU, else cpu.")
-    attention: Literal["auto", "sdpa", "matmul", "reference", "varlen", "flash"] = opt(
+    attention: Literal["auto", "sdpa", "grouped", "matmul", "reference", "varlen", "flash"] = opt(
         "auto", "Attention backend; auto: flash-attn or torch varlen on GPU in float16/bfloat16, else SDPA; "
-                "on CPU matmul (length groups, float32 scores).")
+                "on CPU grouped (SDPA per length group; matmul: the same groups, float32 scores by matmul).")
     cpu_keep_memory: bool = opt(True, "CPU: keep freed activation memory in the worker's heap instead of returning it "
                                       "to the OS: no page faults on every step (MiniLM: ~25% faster), but a worker "
                                       "then holds its peak memory until it exits.")

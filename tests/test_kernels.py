@@ -77,11 +77,11 @@ def test_backends_match_reference(device, lengths, case):
 
 
 def test_backend_registry_and_cpu_selection():
-    assert set(BACKENDS) == {"reference", "sdpa", "matmul", "varlen", "flash"}
-    assert select_backend(device="cpu") == "matmul"
+    assert set(BACKENDS) == {"reference", "sdpa", "grouped", "matmul", "varlen", "flash"}
+    assert select_backend(device="cpu") == "grouped"
     assert select_backend(device="cpu", requested="reference") == "reference"
     for gpu_only in ("flash", "varlen"):
-        with pytest.raises(ValueError, match=r"not available on device 'cpu'.*'reference', 'sdpa', 'matmul'"):
+        with pytest.raises(ValueError, match=r"not available on device 'cpu'.*'reference', 'sdpa', 'grouped', 'matmul'"):
             select_backend(device="cpu", requested=gpu_only)
     with pytest.raises(ValueError, match=r"embedpipe\[gpu\]"):
         select_backend(device="cpu", requested="flash")

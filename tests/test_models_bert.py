@@ -159,7 +159,7 @@ def test_minilm_matches_sentence_transformers(minilm):
     torch.testing.assert_close(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "matmul"])  # the CPU backends
+@pytest.mark.parametrize("backend", ["sdpa", "grouped", "matmul"])  # the CPU backends
 def test_batch_invariance(minilm, backend):
     path, tok, lm, head = minilm
     if backend != "sdpa":
@@ -172,7 +172,7 @@ def test_batch_invariance(minilm, backend):
 
 
 def test_encoder_default_cpu_path_is_batch_invariant(minilm_dir):
-    """The CPU default as workers run it (matmul attention, oneDNN linears, the packer's batches)."""
+    """The CPU default as workers run it (grouped attention, oneDNN linears, the packer's batches)."""
     from embedpipe.runtime import Encoder
 
     enc = Encoder.from_options(str(minilm_dir), threads=2)

@@ -102,7 +102,7 @@ def test_biases_and_masked_lm_dump_load():
     torch.testing.assert_close(hidden, torch.cat(ref), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "matmul"])  # the CPU backends
+@pytest.mark.parametrize("backend", ["sdpa", "grouped", "matmul"])  # the CPU backends
 def test_batch_invariance(tiny, backend):
     lm = load_model(tiny[0], attention_backend=backend)
     assert_batch_invariant(lm.model, tiny[2][3], random_sequences((5, 30, 64, 12, 2, 47), seed=1))

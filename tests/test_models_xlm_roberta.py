@@ -80,7 +80,7 @@ def test_masked_lm_dump_loads(tiny):
     torch.testing.assert_close(hidden, torch.cat(ref), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "matmul"])  # the CPU backends
+@pytest.mark.parametrize("backend", ["sdpa", "grouped", "matmul"])  # the CPU backends
 def test_batch_invariance(tiny, backend):
     lm = load_model(tiny[0], attention_backend=backend)
     others = random_sequences((5, 30, 64, 12, 2, 47), seed=1, low=PAD + 1)

@@ -155,16 +155,17 @@ def _family_dir(family, path):
     return path
 
 
+@pytest.mark.parametrize("backend", ["grouped", "matmul"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["bert", "modernbert", "qwen3"])
-def test_row_padding_once_per_forward_gives_the_same_bits(family, dtype, batches, tmp_path):
+def test_row_padding_once_per_forward_gives_the_same_bits(family, dtype, backend, batches, tmp_path):
     """The pack padded once to the rows oneDNN's linears compute (rows_for) instead of a copy in every linear:
     BERT's vectors are bit for bit those of the unpadded pack through the same linears (its elementwise ops run on
     whole rows); the gated MLPs' ops on column halves of a projection may round an element differently at
     another row count (ATen's scalar tail where a thread's share ends), as any change of batch does."""
     from embedpipe.runtime.cpu import padded_rows, use_onednn_linears
 
-    lm = load_model(_family_dir(family, tmp_path), dtype=dtype, device="cpu", attention_backend="matmul")
+    lm = load_model(_family_dir(family, tmp_path), dtype=dtype, device="cpu", attention_backend=backend)
     if not use_onednn_linears(lm.model):
         pytest.skip(f"oneDNN has no {dtype} linear on this CPU")
     head = lm.build_head(pooling="mean", normalize=True)
@@ -180,8 +181,8 @@ def test_row_padding_once_per_forward_gives_the_same_bits(family, dtype, batches
         assert F.cosine_similarity(got, want).min() >= 0.999
 
 
-@pytest.mark.parametrize("linears, backend, padded", [("onednn", "matmul", True), ("torch", "matmul", False),
-                                                      ("onednn", "sdpa", False)])
+@pytest.mark.parametrize("linears, backend, padded", [("onednn", "grouped", True), ("onednn", "matmul", True),
+                                                      ("torch", "grouped", False), ("onednn", "sdpa", False)])
 def test_the_cpu_encoder_pads_rows_once_where_its_linears_and_attention_take_it(linears, backend, padded, tmp_path):
     from embedpipe.runtime import Encoder
     from embedpipe.runtime.cpu import onednn_linear_works, padded_rows

@@ -11,8 +11,9 @@ Backends (pick once at start-up with `select_backend`, force one in tests):
   reference  plain loop over sequences, fp32 math: the ground truth, slow
   sdpa       torch SDPA on a padded [B, H, Lmax, D] view built by index arithmetic (CPU and GPU;
              on CPU one call per 16-token length band)
-  matmul     CPU: length groups planned once per forward (`plan_attention`), fp32 scores by
-             matmul, fp32 softmax (the CPU default)
+  grouped    CPU: length groups of one 16-token band planned once per forward (`plan_attention`),
+             one SDPA call per group (torch's CPU flash kernel, fp32 accumulation; the CPU default)
+  matmul     CPU: length groups padded to their longest, fp32 scores by matmul, fp32 softmax
   varlen     torch.nn.attention.varlen.varlen_attn (CUDA, torch >= 2.10, float16/bfloat16); its
              keywords differ per release (2.10: is_causal; 2.11: scale, window_size; 2.12+: also
              enable_gqa), read once from its signature
@@ -25,7 +26,7 @@ and passes it to every layer's `attention(..., plan=plan)` (None for backends th
 
 `varlen` and `flash` never read cu_seqlens on the host and take max_seqlen as a Python int, so
 they run inside CUDA graphs (the runner passes a static max_seqlen per bucket). "auto" picks
-flash, then varlen, then SDPA on CUDA (SDPA whenever the model is float32); matmul, then SDPA on CPU.
+flash, then varlen, then SDPA on CUDA (SDPA whenever the model is float32); grouped on CPU.
 flash counts as available only when flash-attn imports and its kernel runs one tiny call on the
 GPU, varlen only when torch's does (kernels/cuda.py `flash_problem`, `varlen_problem`); the
 choice is logged once with the reason each better backend was passed over.
@@ -33,13 +34,16 @@ choice is logged once with the reason each better backend was passed over.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from embedpipe.kernels.cpu import CpuPlan, _fused_rows, _matmul, _reference, _sdpa, plan_groups
+from embedpipe.kernels.cpu import (
+    SDPA_BAND, CpuPlan, _fused_rows, _grouped_sdpa, _matmul, _reference, _sdpa, plan_groups,
+)
 from embedpipe.kernels.cuda import (
     _flash, _varlen, _varlen_kwargs, _varlen_params, _window_size, flash_problem, probe_device, varlen_problem,
 )
@@ -54,19 +58,21 @@ __all__ = ["BACKENDS", "PADDED_ROWS", "PLANNERS", "CpuPlan", "attention", "avail
 BACKENDS: dict[str, Callable[..., Tensor]] = {
     "reference": _reference,
     "sdpa": _sdpa,
+    "grouped": _grouped_sdpa,
     "matmul": _matmul,
     "varlen": _varlen,
     "flash": _flash,
 }
 # backends that work something out once per batch from cu_seqlens alone: backend -> planner
-PLANNERS: dict[str, Callable[[Tensor], Any]] = {"matmul": plan_groups}
+PLANNERS: dict[str, Callable[[Tensor], Any]] = {"grouped": functools.partial(plan_groups, band=SDPA_BAND),
+                                                "matmul": plan_groups}
 # backends whose q/k/v may carry rows past cu_seqlens[-1] (a CPU runner's row padding: runtime/runners.py); their
 # output there is zero and no real row reads them
-PADDED_ROWS: frozenset[str] = frozenset({"matmul"})
+PADDED_ROWS: frozenset[str] = frozenset({"grouped", "matmul"})
 
 
 def plan_attention(cu_seqlens: Tensor, *, backend: str) -> Any:
-    """What `backend` plans once per packed batch (matmul: the CPU length groups), for every layer's
+    """What `backend` plans once per packed batch (grouped, matmul: the CPU length groups), for every layer's
     attention call of one forward; None for a backend that plans nothing."""
     planner = PLANNERS.get(backend)
     return None if planner is None else planner(cu_seqlens)
@@ -108,13 +114,14 @@ _PROBLEMS: dict[str, Callable[[str | None], str | None]] = {
 _AVAILABLE: dict[str, Callable[[bool], bool]] = {
     "reference": lambda on_cuda: True,
     "sdpa": lambda on_cuda: True,
+    "grouped": lambda on_cuda: not on_cuda,
     "matmul": lambda on_cuda: not on_cuda,
     "varlen": lambda on_cuda: on_cuda and _cuda() and _PROBLEMS["varlen"](probe_device()) is None,
     "flash": lambda on_cuda: on_cuda and _cuda() and _PROBLEMS["flash"](probe_device()) is None,
 }
 _AUTO_ORDER = ("flash", "varlen", "sdpa")  # best first
 _HALF_ONLY = frozenset({"flash", "varlen"})  # flash kernels: float16 / bfloat16 only
-_CPU_AUTO_ORDER = ("matmul", "sdpa")
+_CPU_AUTO_ORDER = ("grouped", "matmul", "sdpa")
 _logged: set[tuple[str, str, str]] = set()
 
 

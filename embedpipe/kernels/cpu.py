@@ -1,8 +1,9 @@
-"""Attention backends made of plain torch ops: reference, sdpa and matmul (the CPU ones).
+"""Attention backends made of plain torch ops: reference, sdpa, grouped and matmul (the CPU ones).
 
 `reference` and `sdpa` also run on CUDA (sdpa as one padded call there); on CPU, `sdpa` pads per
-16-token length band and `matmul` per length group, planned once per forward (`plan_groups`,
-built by the model through kernels.plan_attention and passed to every layer's attention call).
+16-token length band, `grouped` (SDPA) and `matmul` (fp32 scores by matmul) per length group, planned once
+per forward (`plan_groups`, built by the model through kernels.plan_attention and passed to every layer's
+attention call).
 Signature and semantics: embedpipe/kernels/attention.py.
 """
 
@@ -112,10 +113,9 @@ def _sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) 
 
 def _matmul(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) -> Tensor:
     # CPU: per length group, scores q k^T in fp32 (bf16 inputs are upcast), masked, fp32 softmax,
-    # then P V in fp32, cast to the input dtype. MiniLM on 2 cores, kernel-docs paragraphs, whole model: +4%
-    # tokens/s over the per-group SDPA in fp32, +5% in bf16 (torch's CPU flash kernel is slow
-    # at head_dim 32), with the same fidelity (cos to fp32 sentence-transformers: min 0.99992). On an AMX
-    # Xeon, bf16, SDPA was 12% faster but at min cos 0.99990 against fp32 (docs/performance.md).
+    # then P V in fp32, cast to the input dtype. The CPU default until 2026-12-04 (now `grouped`, SDPA per group on
+    # the same plan: 1.04x bf16, 1.02x fp32 on an AMX Xeon; on an AVX2 EPYC in 2026-11 this was 4-5% ahead of a
+    # per-band SDPA, docs/performance.md).
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
 
@@ -135,6 +135,28 @@ def _matmul(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None
         return outs[0] if len(outs) == 1 else torch.cat(outs)  # cast to q's dtype as _grouped places it
 
     plan = plan if plan is not None else plan_groups(cu_seqlens)  # a direct call: planned here
+    return _grouped(q, k, v, plan, causal=causal, window=window, group_attention=attend)
+
+
+# dtypes torch's CPU flash kernel takes as they are (fp32 accumulation inside); others are upcast to fp32
+_SDPA_DTYPES = frozenset({torch.float32, torch.bfloat16})
+
+
+def _grouped_sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) -> Tensor:
+    # CPU: per length group, one SDPA call on [n, H, L, D] (torch's CPU flash kernel: scores, mask, softmax and P V in
+    # one parallel region with fp32 accumulation, where `matmul` runs ~8 ops per score step, each a parallel region
+    # on 2 shared cores). MiniLM on an AMX Xeon, kernel-docs paragraphs, against `matmul`: bf16 1.04x in the input
+    # dtype (fp32-upcast inputs 1.01x less), fp32 1.02x; min cos to s-t fp32 unchanged, 0.99992 bf16
+    # (docs/performance.md, 2026-12-04). Its memory stays flat over thousands of (n, L) shapes: no oneDNN primitive.
+    def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, h, L, D] -> [n, H, L, D]
+        H = q4.shape[1]
+        if k4.shape[1] != H:  # GQA: each kv head serves H / Hkv query heads (enable_gqa needs torch >= 2.5)
+            k4, v4 = (x.repeat_interleave(H // x.shape[1], 1) for x in (k4, v4))
+        if q4.dtype not in _SDPA_DTYPES:
+            q4, k4, v4 = q4.float(), k4.float(), v4.float()
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)  # mask: True = attend
+
+    plan = plan if plan is not None else plan_groups(cu_seqlens, band=SDPA_BAND)  # a direct call: planned here
     return _grouped(q, k, v, plan, causal=causal, window=window, group_attention=attend)
 
 
@@ -198,7 +220,8 @@ def _fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
 @dataclass(frozen=True)
 class CpuPlan:
     """Where each packed token sits in a grid of length groups: sequences sorted by length,
-    a new group once the group holds _GROUP_TOKENS tokens, each group padded to its longest sequence."""
+    a new group once the group holds _GROUP_TOKENS tokens (or, with a length band, at the band's edge), each group
+    padded to its longest sequence (or to its band's ceiling)."""
 
     slot: Tensor  # [T] grid row of each packed token
     rows: int  # grid rows, sum of n * L over the groups
@@ -211,21 +234,29 @@ class CpuPlan:
 # groups that ran on while lengths stayed within 85 % of the longest and 16 MiB steps: bf16 1.18x, fp32 1.06x
 # (docs/performance.md, 2026-12-04); 1 MiB steps alone, bit-identical: bf16 1.05x, fp32 1.02x.
 _GROUP_TOKENS = 512  # a length group closes once it holds this many tokens
+# `grouped`: groups of one 16-token length band, padded to its ceiling. Batch invariance (see plan_groups), and
+# speed: MiniLM bf16 on an AMX Xeon 1.14x over groups padded to their longest (torch's CPU flash kernel at L a
+# multiple of 16); `matmul` padded that way ran 0.87x (docs/performance.md, 2026-12-04)
+SDPA_BAND = 16
 _SCORE_BYTES = 1 << 20  # matmul backend: fp32 score tensor per step (peak memory; 256-token sequences: 1 a step)
 
 
-def plan_groups(cu_seqlens: Tensor) -> CpuPlan:
+def plan_groups(cu_seqlens: Tensor, *, band: int = 1) -> CpuPlan:
     """The length-group plan of one packed batch. The model builds it once per forward
-    (kernels.plan_attention) and hands it to every layer's attention call."""
+    (kernels.plan_attention) and hands it to every layer's attention call. ``band`` > 1: a group holds the
+    sequences of one ``band``-token length band and is padded to the band's ceiling, so a sequence's padded
+    length is a function of its own length, whatever else is in the batch (the `grouped` backend's SDPA blocks
+    by the padded length: a batch-dependent one moved its values at fp32 rounding)."""
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]  # [B]
     order = torch.argsort(lens, descending=True, stable=True)  # [B] longest first
     sorted_lens = [n for n in lens[order].tolist() if n > 0]  # empty sequences (bucket padding) hold no rows
     if not sorted_lens:  # an empty pack
         return CpuPlan(slot=torch.zeros(0, dtype=torch.long), rows=0, source=torch.zeros(0, dtype=torch.long), groups=())
+    ceiling = [-(-n // band) * band for n in sorted_lens]  # each sequence's padded length in a group of its band
     bounds, start, tokens = [], 0, 0
     for i, n in enumerate(sorted_lens):
-        if i > start and tokens >= _GROUP_TOKENS:
+        if i > start and (tokens >= _GROUP_TOKENS or (band > 1 and ceiling[i] != ceiling[start])):
             bounds.append((start, i))
             start, tokens = i, 0
         tokens += n
@@ -233,10 +264,10 @@ def plan_groups(cu_seqlens: Tensor) -> CpuPlan:
     first_row = torch.zeros(len(lens), dtype=torch.long)  # [B] grid row of each sequence's first token
     groups, row = [], 0
     for a, b in bounds:
-        n, L = b - a, sorted_lens[a]
+        n, L = b - a, ceiling[a]
         first_row[order[a:b]] = row + torch.arange(n) * L
         key_ok = None
-        if sorted_lens[b - 1] != L:
+        if sorted_lens[b - 1] != L or sorted_lens[a] != L:
             key_ok = (torch.arange(L)[None, :] < lens[order[a:b]][:, None])[:, None, None, :]  # [n, 1, 1, L]
         groups.append((row, n, L, key_ok))
         row += n * L
