@@ -117,3 +117,60 @@ def test_onednn_primitives_are_cached_across_calls():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     creates = re.findall(r"create:cache_(hit|miss)", out)
     assert ONEDNN_CACHE_CAPACITY > 0 and creates.count("miss") == 1 and creates.count("hit") == 2, creates
+
+
+def _onednn(linear: nn.Linear) -> OneDNNLinear:
+    from embedpipe.runtime.cpu import onednn_linear_works
+
+    if not onednn_linear_works(linear.weight.dtype):
+        pytest.skip(f"oneDNN has no {linear.weight.dtype} linear on this CPU")
+    return OneDNNLinear(linear)
+
+
+@pytest.mark.parametrize("rows", [300, 320])  # below padded_rows (padded inside), at it (as the CPU runner hands it)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_add_and_activation_are_the_unfused_ops(dtype, rows):
+    """OneDNNLinear's post-ops: residual + linear(x) and gelu / relu(linear(x)) in one call. fp32: the same bits as the
+    ops after the linear; bf16: one rounding instead of two, within bf16 of the fp32 result. Activations without an
+    exact post-op are left to models/layers.py (None)."""
+    from embedpipe.models.layers import ACTIVATIONS, FusedLinear, linear_act, linear_add
+
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 96).to(dtype)
+    fused = _onednn(plain)
+    x, residual = torch.randn(rows, 48, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
+    assert isinstance(fused, FusedLinear) and not isinstance(plain, FusedLinear)
+    with torch.no_grad():
+        exact = nn.Linear(48, 96).float().requires_grad_(False)
+        exact.weight.copy_(plain.weight), exact.bias.copy_(plain.bias)
+        pairs = [(linear_add(fused, x, residual), residual + fused(x), residual.float() + exact(x.float()))]
+        for act in ("gelu", "relu"):
+            fn = ACTIVATIONS[act]
+            pairs.append((linear_act(fused, x, act=act), fn(fused(x)), fn(exact(x.float()))))
+        assert fused.activated(x, act="gelu_pytorch_tanh") is None and fused.activated(x, act="silu") is None
+        torch.testing.assert_close(linear_act(fused, x, act="silu"), ACTIVATIONS["silu"](fused(x)), atol=0, rtol=0)
+        torch.testing.assert_close(linear_add(plain, x, residual), residual + plain(x), atol=0, rtol=0)
+    for got, unfused, truth in pairs:
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(got, unfused)
+        else:
+            torch.testing.assert_close(got.float(), truth, atol=3e-2, rtol=1e-2)
+
+
+def test_bert_layers_run_their_adds_and_gelu_in_the_linears(minilm_dir, monkeypatch):
+    """The CPU encoder's BERT: both residual adds of every layer and its GELU go through OneDNNLinear's post-ops."""
+    from embedpipe.runtime import Encoder
+
+    calls = []
+    for name in ("add_to", "activated"):
+        real = getattr(OneDNNLinear, name)
+        monkeypatch.setattr(OneDNNLinear, name, lambda self, *a, _real=real, _name=name, **kw:
+                            calls.append(_name) or _real(self, *a, **kw))
+    encoder = Encoder.from_options(str(minilm_dir), device="cpu", cpu_linears="onednn", warmup_check=False)
+    if not calls and not any(isinstance(m, OneDNNLinear) for m in encoder.loaded.model.modules()):
+        pytest.skip("oneDNN's linear does not run on this CPU")
+    calls.clear()
+    encoder.embed(["one short text", "and another, a little longer than the first"])
+    layers = encoder.loaded.model.config.num_layers
+    assert calls.count("add_to") == 2 * layers and calls.count("activated") == layers

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.bert_config import BERT_STRIP_PREFIXES, BERT_WEIGHT_MAP, BertConfig
-from embedpipe.models.layers import LayerNorm, activation
+from embedpipe.models.layers import LayerNorm, linear_act, linear_add
 from embedpipe.models.registry import register
 
 
@@ -40,12 +40,12 @@ class BertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+    def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any, *, residual: Tensor) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
         o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend,
                       plan=plan)  # [T, H, D]
-        return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
+        return linear_add(self.out, o.reshape(T, self.heads * self.head_dim), residual)  # [T, hidden]: residual + out
 
 
 class BertMLP(nn.Module):
@@ -53,10 +53,10 @@ class BertMLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = activation(cfg.hidden_act)
+        self.act = cfg.hidden_act  # a name of models/layers.py ACTIVATIONS, checked when the config was read
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(self.act(self.up(x)))  # [T, hidden]
+    def forward(self, x: Tensor, *, residual: Tensor) -> Tensor:
+        return linear_add(self.down, linear_act(self.up, x, act=self.act), residual)  # [T, hidden]: residual + MLP
 
 
 class BertLayer(nn.Module):
@@ -68,8 +68,8 @@ class BertLayer(nn.Module):
         self.mlp_norm = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor, cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
-        x = self.attn_norm(x + self.attn(x, cu_seqlens, max_seqlen, plan))  # [T, hidden]
-        return self.mlp_norm(x + self.mlp(x))  # [T, hidden]
+        x = self.attn_norm(self.attn(x, cu_seqlens, max_seqlen, plan, residual=x))  # [T, hidden]: post-norm
+        return self.mlp_norm(self.mlp(x, residual=x))  # [T, hidden]
 
 
 @register("bert")

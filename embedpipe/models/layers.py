@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,30 @@ ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
     return ACTIVATIONS[check_activation(name)]
+
+
+@runtime_checkable
+class FusedLinear(Protocol):
+    """A linear that computes its consumer in the same call (runtime/cpu.py OneDNNLinear: oneDNN post-ops on the
+    accumulator, before the output is stored). The models reach it through linear_add and linear_act."""
+
+    def add_to(self, x: Tensor, residual: Tensor) -> Tensor | None: ...  # residual + linear(x), or None: not here
+
+    def activated(self, x: Tensor, *, act: str) -> Tensor | None: ...  # ACTIVATIONS[act](linear(x)), or None
+
+
+def linear_add(linear: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """residual + linear(x) ([..., out]): a residual connection, in one call where the linear fuses it. MiniLM bf16
+    on an AMX Xeon: 1.055x tokens/s (the add and a pass over [T, hidden] saved twice a layer); fp32 bit-identical."""
+    fused = linear.add_to(x, residual) if isinstance(linear, FusedLinear) else None
+    return fused if fused is not None else residual + linear(x)
+
+
+def linear_act(linear: nn.Module, x: Tensor, *, act: str) -> Tensor:
+    """ACTIVATIONS[act](linear(x)) ([..., out]), in one call where the linear fuses that activation (MiniLM bf16 on
+    an AMX Xeon: 1.03x, GELU on the fp32 accumulator; fp32 bit-identical)."""
+    fused = linear.activated(x, act=act) if isinstance(linear, FusedLinear) else None
+    return fused if fused is not None else ACTIVATIONS[act](linear(x))
 
 
 class LayerNorm(nn.LayerNorm):

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
-    LayerNorm, activation, apply_rotary, rotary_cos_sin,
+    LayerNorm, activation, apply_rotary, linear_add, rotary_cos_sin,
 )
 from embedpipe.models.modernbert_config import GLOBAL, LOCAL, ModernBertConfig
 from embedpipe.models.registry import register
@@ -34,13 +34,14 @@ class ModernBertAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)  # rows: q, k, v
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any, *,
+                residual: Tensor) -> Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).view(T, 3, self.heads, self.head_dim).unbind(1)  # 3 x [T, H, D]
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)  # [T, H, D]
         o = attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=self.window,
                       backend=self.backend, plan=plan)  # [T, H, D]
-        return self.out(o.reshape(T, self.heads * self.head_dim))  # [T, hidden]
+        return linear_add(self.out, o.reshape(T, self.heads * self.head_dim), residual)  # [T, hidden]: residual + out
 
 
 class GeGLU(nn.Module):
@@ -50,9 +51,9 @@ class GeGLU(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, residual: Tensor) -> Tensor:
         h, gate = self.up(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
-        return self.down(self.act(h) * gate)  # [T, hidden]
+        return linear_add(self.down, self.act(h) * gate, residual)  # [T, hidden]: residual + MLP
 
 
 class ModernBertLayer(nn.Module):
@@ -66,8 +67,8 @@ class ModernBertLayer(nn.Module):
 
     def forward(self, x: Tensor, rope: dict[str, tuple[Tensor, Tensor]], cu_seqlens: Tensor, max_seqlen: int,
                 plan: Any) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen, plan)  # [T, hidden]
-        return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
+        x = self.attn(self.attn_norm(x), rope[self.layer_type], cu_seqlens, max_seqlen, plan, residual=x)  # [T, hidden]
+        return self.mlp(self.mlp_norm(x), residual=x)  # [T, hidden]: pre-norm, x + MLP(norm(x))
 
 
 class ModernBertEmbeddings(nn.Module):

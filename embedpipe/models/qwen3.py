@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from embedpipe.kernels import attention, plan_attention
 from embedpipe.models.layers import (
-    RMSNorm, activation, apply_rotary, rotary_cos_sin,
+    RMSNorm, activation, apply_rotary, linear_add, rotary_cos_sin,
 )
 from embedpipe.models.qwen3_config import BIDIRECTIONAL_MODEL_TYPES, Qwen3Config
 from embedpipe.models.registry import register
@@ -34,14 +34,15 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any, *,
+                residual: Tensor) -> Tensor:
         T, H, Hkv, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)  # [T, H*D], 2 x [T, Hkv*D]
         q = apply_rotary(self.q_norm(q.view(T, H, D)), *rope)  # [T, H, D]
         k = apply_rotary(self.k_norm(k.view(T, Hkv, D)), *rope)  # [T, Hkv, D]
         o = attention(q, k, v.view(T, Hkv, D), cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, causal=self.causal,
                       backend=self.backend, plan=plan)  # [T, H, D]
-        return self.out(o.reshape(T, H * D))  # [T, hidden]
+        return linear_add(self.out, o.reshape(T, H * D), residual)  # [T, hidden]: residual + out
 
 
 class SwiGLU(nn.Module):
@@ -51,9 +52,9 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, residual: Tensor) -> Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [T, intermediate]
-        return self.down(self.act(gate) * up)  # [T, hidden]
+        return linear_add(self.down, self.act(gate) * up, residual)  # [T, hidden]: residual + MLP
 
 
 class Qwen3Layer(nn.Module):
@@ -65,8 +66,8 @@ class Qwen3Layer(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], cu_seqlens: Tensor, max_seqlen: int, plan: Any) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen, plan)  # [T, hidden]
-        return x + self.mlp(self.mlp_norm(x))  # [T, hidden]
+        x = self.attn(self.attn_norm(x), rope, cu_seqlens, max_seqlen, plan, residual=x)  # [T, hidden]: x + attn(norm(x))
+        return self.mlp(self.mlp_norm(x), residual=x)  # [T, hidden]
 
 
 @register("qwen3", *sorted(BIDIRECTIONAL_MODEL_TYPES))

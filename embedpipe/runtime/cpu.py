@@ -77,16 +77,47 @@ class OneDNNLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias  # [out, in], [out] or None
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [N, in]
-        n = rows.shape[0]
-        padded = padded_rows(n)
-        if padded != n:  # zero rows: few distinct shapes (see padded_rows)
-            grown = rows.new_empty(padded, rows.shape[1])  # [N', in]: F.pad zeroed all of it before copying
-            grown[:n].copy_(rows)  # (its fill was 5% of the fp32 step on an AMX CPU)
-            grown[n:].zero_()
-            rows = grown
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")[:n]  # [N, out]
+        return self._pointwise(x, "none", "")
+
+    def activated(self, x: Tensor, *, act: str) -> Tensor | None:
+        """``act``(self(x)) in one call, the activation a oneDNN post-op on the accumulator (ONEDNN_ACTIVATIONS);
+        None for an activation it has no exact post-op for (models/layers.py linear_act then applies it)."""
+        post = ONEDNN_ACTIVATIONS.get(act)
+        return None if post is None else self._pointwise(x, *post)
+
+    def add_to(self, x: Tensor, residual: Tensor) -> Tensor | None:
+        """residual + self(x) in one call (oneDNN's binary add post-op: the add on the accumulator, one rounding in
+        bf16); None where the residual's dtype differs (models/layers.py linear_add then adds)."""
+        if residual.dtype != x.dtype:
+            return None
+        n = x.numel() // x.shape[-1]
+        rows, other = _padded(x.reshape(n, -1)), _padded(residual.reshape(n, -1))  # [N', in], [N', out]
+        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.weight, self.bias, "add")[:n]  # [N, out]
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _pointwise(self, x: Tensor, attr: str, algorithm: str) -> Tensor:
+        n = x.numel() // x.shape[-1]
+        rows = _padded(x.reshape(n, -1))  # [N', in]
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, attr, [], algorithm)[:n]  # [N, out]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _padded(rows: Tensor) -> Tensor:
+    """[N, w] -> [padded_rows(N), w]: zero rows below (few distinct shapes, see padded_rows); ``rows`` itself when it is
+    that tall already (the CPU runner pads its pack once: runtime/runners.py)."""
+    n = rows.shape[0]
+    padded = padded_rows(n)
+    if padded == n:
+        return rows
+    grown = rows.new_empty(padded, rows.shape[1])  # [N', w]: F.pad zeroed all of it before copying
+    grown[:n].copy_(rows)  # (its fill was 5% of the fp32 step on an AMX CPU)
+    grown[n:].zero_()
+    return grown
+
+
+# config.json `hidden_act` -> oneDNN's post-op (attr, algorithm) for OneDNNLinear.activated: only those bit-identical
+# in fp32 to the activation applied after the linear (tests/test_runtime_cpu.py); tanh-GELU and SiLU differ by an ulp
+ONEDNN_ACTIVATIONS: dict[str, tuple[str, str]] = {"gelu": ("gelu", "none"), "relu": ("relu", "")}
 
 
 ROW_STEPS = ((2048, 256), (256, 64), (0, 16))  # (above this many rows, pad to a multiple of this)
