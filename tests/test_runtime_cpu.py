@@ -115,7 +115,7 @@ def test_onednn_primitives_are_cached_across_calls():
             "with torch.no_grad():\n    [layer(x) for _ in range(3)]\n")
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"} | {"ONEDNN_VERBOSE": "all"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    creates = re.findall(r"create:cache_(hit|miss)", out)
+    creates = re.findall(r"create:cache_(hit|miss),cpu,(?:inner_product|matmul),", out)  # not the weight's one reorder
     assert ONEDNN_CACHE_CAPACITY > 0 and creates.count("miss") == 1 and creates.count("hit") == 2, creates
 
 
@@ -174,3 +174,27 @@ def test_bert_layers_run_their_adds_and_gelu_in_the_linears(minilm_dir, monkeypa
     encoder.embed(["one short text", "and another, a little longer than the first"])
     layers = encoder.loaded.model.config.num_layers
     assert calls.count("add_to") == 2 * layers and calls.count("activated") == layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_weight_gives_the_plain_weights_bits_and_follows_it(dtype):
+    """OneDNNLinear computes from its weight reordered once into oneDNN's blocked layout: the same bits as the plain
+    weight at any row count; a weight changed in place, or replaced, is packed again; the module still pickles."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    layer = _onednn(nn.Linear(64, 96).to(dtype))
+    plain = torch.ops.mkldnn._linear_pointwise
+    for rows in (16, 320, 2304):
+        x = torch.randn(rows, 64, dtype=dtype)
+        assert torch.equal(layer(x), plain(x, layer.weight, layer.bias, "none", [], "")[:rows])
+    first = layer.packed
+    assert first.is_mkldnn and layer.packed is first  # packed once, not per call
+    with torch.no_grad():
+        layer.weight.mul_(-1)
+    assert layer.packed is not first and torch.equal(layer(x), plain(x, layer.weight, layer.bias, "none", [], ""))
+    layer.weight = nn.Parameter(torch.randn(96, 64, dtype=dtype))
+    assert torch.equal(layer(x), plain(x, layer.weight, layer.bias, "none", [], ""))
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert torch.equal(clone(x), layer(x))

@@ -70,11 +70,28 @@ class OneDNNLinear(nn.Module):
     AVX-512 there. Measured on 2 Zen 5 cores, MiniLM shapes ([8192, 384] x [384, 1536] and
     [8192, 1536] x [1536, 384]): MKL 170-218 GFLOP/s, oneDNN 287-490 GFLOP/s. The parameters
     are shared with the module it replaces; results differ by float32 summation order only.
+
+    The weight is also held reordered into oneDNN's blocked layout (``packed``), so no call reorders it: the same
+    bits, MiniLM on an AMX Xeon fp32 1.047x, bf16 1.01x (docs/performance.md, 2026-12-04), for a second copy of
+    the linears' weights in memory. It is packed again if the weight changes in place (its version counter).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias  # [out, in], [out] or None
+        self._packed: tuple[tuple[int, int], Tensor] | None = None  # ((storage, version) packed from, blocked weight)
+
+    @property
+    def packed(self) -> Tensor:
+        """The weight in oneDNN's blocked layout for PACK_ROWS-row inputs (any row count gives the same bits)."""
+        source = (self.weight.data_ptr(), self.weight._version)  # a new tensor, or the same one changed in place
+        if self._packed is None or self._packed[0] != source:
+            with torch.no_grad():
+                self._packed = (source, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS))
+        return self._packed[1]
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_packed": None}  # a oneDNN tensor does not pickle; packed again on use
 
     def forward(self, x: Tensor) -> Tensor:
         return self._pointwise(x, "none", "")
@@ -92,13 +109,13 @@ class OneDNNLinear(nn.Module):
             return None
         n = x.numel() // x.shape[-1]
         rows, other = _padded(x.reshape(n, -1)), _padded(residual.reshape(n, -1))  # [N', in], [N', out]
-        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.weight, self.bias, "add")[:n]  # [N, out]
+        out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.packed, self.bias, "add")[:n]  # [N, out]
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _pointwise(self, x: Tensor, attr: str, algorithm: str) -> Tensor:
         n = x.numel() // x.shape[-1]
         rows = _padded(x.reshape(n, -1))  # [N', in]
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, attr, [], algorithm)[:n]  # [N, out]
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, attr, [], algorithm)[:n]  # [N, out]
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -120,6 +137,7 @@ def _padded(rows: Tensor) -> Tensor:
 ONEDNN_ACTIVATIONS: dict[str, tuple[str, str]] = {"gelu": ("gelu", "none"), "relu": ("relu", "")}
 
 
+PACK_ROWS = 8192  # the input rows OneDNNLinear's blocked weight layout is chosen for: a full batch at max_tokens 8192
 ROW_STEPS = ((2048, 256), (256, 64), (0, 16))  # (above this many rows, pad to a multiple of this)
 
 
