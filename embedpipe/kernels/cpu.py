@@ -145,9 +145,10 @@ _SDPA_DTYPES = frozenset({torch.float32, torch.bfloat16})
 def _grouped_sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) -> Tensor:
     # CPU: per length group, one SDPA call on [n, H, L, D] (torch's CPU flash kernel: scores, mask, softmax and P V in
     # one parallel region with fp32 accumulation, where `matmul` runs ~8 ops per score step, each a parallel region
-    # on 2 shared cores). MiniLM on an AMX Xeon, kernel-docs paragraphs, against `matmul`: bf16 1.04x in the input
-    # dtype (fp32-upcast inputs 1.01x less), fp32 1.02x; min cos to s-t fp32 unchanged, 0.99992 bf16
-    # (docs/performance.md, 2026-12-04). Its memory stays flat over thousands of (n, L) shapes: no oneDNN primitive.
+    # on 2 shared cores), on groups of one 16-token length band (plan_groups band=SDPA_BAND). MiniLM on an AMX Xeon,
+    # kernel-docs paragraphs, against `matmul`: bf16 1.24x, fp32 1.0x; min cos to s-t fp32 0.99992 bf16 as before
+    # (docs/performance.md, 2026-12-04). bf16 goes in as it is: fp32 upcasts were ~3% slower at the same fidelity.
+    # Its memory stays flat over thousands of (n, L) shapes: it runs no oneDNN primitive.
     def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, h, L, D] -> [n, H, L, D]
         H = q4.shape[1]
         if k4.shape[1] != H:  # GQA: each kv head serves H / Hkv query heads (enable_gqa needs torch >= 2.5)
