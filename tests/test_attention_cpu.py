@@ -217,3 +217,19 @@ def test_rows_past_the_pack_are_ignored_and_come_back_zero(case, fused, backend)
     assert got.shape == (T + extra, H, D)
     assert torch.equal(got[:T], want)
     assert torch.equal(got[T:], torch.zeros(extra, H, D))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_grouped_backend_upcasts_float16(case):
+    """float16 is not one of the dtypes `grouped` hands SDPA as they are (_SDPA_DTYPES): upcast to fp32 per group, the
+    output cast back; within an fp16 ulp or two of the reference."""
+    from embedpipe.kernels.cpu import _SDPA_DTYPES
+
+    assert torch.float16 not in _SDPA_DTYPES
+    H, Hkv, causal, window, scale = CASES[case]
+    kw = dict(causal=causal, window=window, scale=scale)
+    q, k, v, cu, max_len = packed_qkv(LENGTHS, H, Hkv, dtype=torch.float16)
+    ref = attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, backend="reference", **kw)
+    out = attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, backend="grouped", **kw)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-3, rtol=5e-3)
