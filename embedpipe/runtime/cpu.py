@@ -72,8 +72,9 @@ class OneDNNLinear(nn.Module):
     are shared with the module it replaces; results differ by float32 summation order only.
 
     The weight is also held reordered into oneDNN's blocked layout (``packed``), so no call reorders it: the same
-    bits, MiniLM on an AMX Xeon fp32 1.047x, bf16 1.01x (docs/performance.md, 2026-12-04), for a second copy of
-    the linears' weights in memory. It is packed again if the weight changes in place (its version counter).
+    bits, MiniLM on an AMX Xeon fp32 1.05x, bf16 1.01-1.03x (docs/performance.md, 2026-12-04), for a second copy of
+    the linears' weights in memory. It is packed again if the weight changes in place (its version counter) or is
+    replaced (its storage).
     """
 
     def __init__(self, linear: nn.Linear) -> None:
