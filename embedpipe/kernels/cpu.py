@@ -113,16 +113,14 @@ def _sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) 
 
 def _matmul(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, plan=None) -> Tensor:
     # CPU: per length group, scores q k^T in fp32 (bf16 inputs are upcast), masked, fp32 softmax,
-    # then P V in fp32, cast to the input dtype. The CPU default until 2026-12-04 (now `grouped`, SDPA per group on
-    # the same plan: 1.04x bf16, 1.02x fp32 on an AMX Xeon; on an AVX2 EPYC in 2026-11 this was 4-5% ahead of a
-    # per-band SDPA, docs/performance.md).
+    # then P V in fp32, cast to the input dtype. The CPU default until 2026-12-04, now `grouped` (SDPA per group of
+    # one 16-token band: 1.24x bf16, 1.0x fp32 on an AMX Xeon; on an AVX2 EPYC in 2026-11 this backend was 4-5% ahead
+    # of a per-band SDPA, docs/performance.md).
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else scale
 
-    def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, h, L, D] -> [n, H, L, D]
+    def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, H, L, D] -> [n, H, L, D]
         n, H, L, _ = q4.shape
-        if k4.shape[1] != H:  # GQA: each kv head serves H / Hkv query heads
-            k4, v4 = (x.repeat_interleave(H // x.shape[1], 1) for x in (k4, v4))
         step = max(1, _SCORE_BYTES // (H * L * L * 4))  # sequences per step: fp32 scores stay under _SCORE_BYTES
         outs = []
         for a in range(0, n, step):
@@ -149,10 +147,7 @@ def _grouped_sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, pla
     # kernel-docs paragraphs, against `matmul`: bf16 1.24x, fp32 1.0x; min cos to s-t fp32 0.99992 bf16 as before
     # (docs/performance.md, 2026-12-04). bf16 goes in as it is: fp32 upcasts were ~3% slower at the same fidelity.
     # Its memory stays flat over thousands of (n, L) shapes: it runs no oneDNN primitive.
-    def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, h, L, D] -> [n, H, L, D]
-        H = q4.shape[1]
-        if k4.shape[1] != H:  # GQA: each kv head serves H / Hkv query heads (enable_gqa needs torch >= 2.5)
-            k4, v4 = (x.repeat_interleave(H // x.shape[1], 1) for x in (k4, v4))
+    def attend(q4: Tensor, k4: Tensor, v4: Tensor, mask: Tensor | None) -> Tensor:  # [n, H, L, D] -> [n, H, L, D]
         if q4.dtype not in _SDPA_DTYPES:
             q4, k4, v4 = q4.float(), k4.float(), v4.float()
         return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=scale)  # mask: True = attend
@@ -163,8 +158,10 @@ def _grouped_sdpa(q, k, v, *, cu_seqlens, max_seqlen, causal, window, scale, pla
 
 def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
              group_attention: Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]) -> Tensor:
-    # CPU: sequences padded to the longest of their length group (the plan, made once per forward
-    # and passed to every layer), attention per group on [n, H, L, D], gathered back to [T, H, D].
+    # CPU: sequences padded to their length group's length (the plan, made once per forward and passed to every
+    # layer: the longest member, or the band's ceiling), attention per group on [n, H, L, D], gathered back to
+    # [T, H, D]. GQA: each group's kv heads are repeated to H here, for every backend (SDPA's enable_gqa needs
+    # torch >= 2.5).
     # Padding costs real flops on CPU, and so does every extra op: on 2 shared cores each op is a
     # parallel region that may wait for a descheduled thread. MiniLM, 8k-token batches of
     # kernel-docs paragraphs (bf16, per token per layer): 16-token bands recomputed per layer
@@ -197,7 +194,10 @@ def _grouped(q, k, v, plan: CpuPlan, *, causal: bool, window: int | None,
         allowed = _allowed(L, causal=causal, window=window, device=q.device)
         if allowed is not None:
             mask = allowed if mask is None else mask & allowed  # [n, 1, L, L]
-        o = group_attention(view(gq), view(gk), view(gv), mask)  # [n, H, L, D], any float dtype
+        gk4, gv4 = view(gk), view(gv)  # [n, Hkv, L, D]
+        if gk4.shape[1] != H:  # GQA: each kv head serves H / Hkv query heads
+            gk4, gv4 = (x.repeat_interleave(H // x.shape[1], 1) for x in (gk4, gv4))  # [n, H, L, D]
+        o = group_attention(view(gq), gk4, gv4, mask)  # [n, H, L, D], any float dtype
         view(out).copy_(o)  # one pass: transposed back into the grid and cast to q's dtype
     if rows == T:
         return out.index_select(0, plan.slot)  # [T, H, D]
@@ -268,7 +268,7 @@ def plan_groups(cu_seqlens: Tensor, *, band: int = 1) -> CpuPlan:
         n, L = b - a, ceiling[a]
         first_row[order[a:b]] = row + torch.arange(n) * L
         key_ok = None
-        if sorted_lens[b - 1] != L or sorted_lens[a] != L:
+        if sorted_lens[b - 1] != L:  # the shortest member (sorted: all others are at least as long)
             key_ok = (torch.arange(L)[None, :] < lens[order[a:b]][:, None])[:, None, None, :]  # [n, 1, 1, L]
         groups.append((row, n, L, key_ok))
         row += n * L
