@@ -9,7 +9,8 @@ through the real CLI with ``cluster.address`` set to the cluster's address:
 - A (float32): the model is a copy of MiniLM in a tmp folder; a hook renames that folder away as soon
   as the driver has put it in the object store, so a worker that read ``model.path`` would fail.
 - B (int8: the calibration task loads the model too, with its folder renamed away as well): once two
-  units are done, the node of the worker just handed the next unit is removed (from the driver's loop).
+  units are done, the node of the worker about to be handed the next unit is removed, and the
+  unit handed to its dead worker (from the driver's loop).
 """
 
 from __future__ import annotations
@@ -201,16 +202,19 @@ def _main(work: Path) -> None:
 
 
 @contextlib.contextmanager
-def _removing_a_busy_node(cluster, nodes: list, removed: list[str]):
-    """While inside: once two units are done, the driver's scheduler hands the next unit to a worker on a
-    (non-head) node and that node is removed at once, before any other unit is handed out. Done in the
-    driver's own loop (the run is in this process), so the lost unit is in flight by construction: no
-    race with a job that finishes fast."""
+def _removing_a_busy_node(cluster, nodes: list, removed: list[str], *, dead_within_s: float = 60.0):
+    """While inside: once two units are done, the next unit the driver's scheduler hands to a worker on a
+    (non-head) node is lost with that node. The node is removed, and the unit's call made only once Ray
+    reports the worker dead, so the unit is lost by construction.
+
+    Removing the node right after the call was made raced: with ``depth`` 2 the worker had already read
+    and tokenized that unit (it was named ``ahead`` in its previous call), and 30 rows on the tiny model
+    could finish before the node went down, leaving nothing to retry."""
     from ray._private import state
 
     from embedpipe.cluster.scheduler import Scheduler, node_label
 
-    fill, finished, done = Scheduler._fill, Scheduler._finished, [0]
+    submit, finished, done = Scheduler._submit, Scheduler._finished, [0]
     by_id = {n.node_id: n for n in nodes}
 
     def counting(self, slot):
@@ -218,26 +222,26 @@ def _removing_a_busy_node(cluster, nodes: list, removed: list[str]):
         done[0] += result is not None
         return result
 
-    def fill_then_remove(self):
-        before = {s.index: s.ref for s in self._slots}
-        fill(self)
-        if removed or done[0] < 2:
-            return
-        for slot in self._slots:
-            if slot.ref is None or slot.ref is before.get(slot.index):
-                continue  # idle, or a unit handed out earlier (it may be finishing)
-            node_id = (state.actors(slot.actor._actor_id.hex()).get("Address") or {}).get("NodeID")
+    def remove_then_submit(self, slot):
+        if not removed and done[0] >= 2:
+            actor_id = slot.actor._actor_id.hex()
+            node_id = (state.actors(actor_id).get("Address") or {}).get("NodeID")
             if node_id in by_id:
                 victim = by_id[node_id]
                 removed.append(node_label(victim.node_ip_address, victim.node_id))
                 cluster.remove_node(victim, allow_graceful=False)
-                return
+                deadline = time.monotonic() + dead_within_s
+                while state.actors(actor_id).get("State") != "DEAD":
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"Ray did not report the removed node's worker dead in {dead_within_s:g} s")
+                    time.sleep(0.05)
+        submit(self, slot)
 
-    Scheduler._fill, Scheduler._finished = fill_then_remove, counting
+    Scheduler._submit, Scheduler._finished = remove_then_submit, counting
     try:
         yield
     finally:
-        Scheduler._fill, Scheduler._finished = fill, finished
+        Scheduler._submit, Scheduler._finished = submit, finished
 
 
 if __name__ == "__main__":
