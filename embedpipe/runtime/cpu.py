@@ -84,7 +84,8 @@ class OneDNNLinear(nn.Module):
 
     @property
     def packed(self) -> Tensor:
-        """The weight in oneDNN's blocked layout for PACK_ROWS-row inputs (any row count gives the same bits)."""
+        """The weight in oneDNN's blocked layout for PACK_ROWS-row inputs (any row count gives the plain weight's bits,
+        frozen and in inference mode as the encoder runs: with autograd on, oneDNN may take its reference kernel)."""
         source = (self.weight.data_ptr(), self.weight._version)  # a new tensor, or the same one changed in place
         if self._packed is None or self._packed[0] != source:
             with torch.no_grad():
