@@ -7,7 +7,6 @@ parts and manifest records themselves; the driver sees only counters.
 from __future__ import annotations
 
 import logging
-import resource
 import signal
 import threading
 import time
@@ -43,6 +42,7 @@ from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo
 from embedpipe.report.history import record_run
+from embedpipe.report.memory import peak_rss_mb
 from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
 from embedpipe.report.outputs import write_renderings
 from embedpipe.report.report import build_report, write_report
@@ -274,7 +274,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                "retried": scheduler.retried, "failed": len(scheduler.failed),
                "failed_units": [f.to_dict() for f in scheduler.failed],
                "retried_units": [r.to_dict() for r in scheduler.retries]},
-        peak_rss_mb={"driver": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        peak_rss_mb={"driver": round(peak_rss_mb(), 1),
                      "workers": [peaks.get(i) for i in range(len(per_worker))]},
     )
     if index_report is not None:

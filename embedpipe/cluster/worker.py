@@ -14,7 +14,6 @@ read (pyarrow; the unit's input format) -> screen rows -> tokenize -> pack -> en
 from __future__ import annotations
 
 import logging
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
+from embedpipe.report.memory import peak_rss_mb
 from embedpipe.units import Unit
 
 READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one (ReadAhead holds one): the driver holds it
@@ -153,7 +153,7 @@ class EmbedWorker:
         self.manifest.record(unit.id, parts=[part], document_parts=documents, file=unit.file,
                              row_groups=list(unit.row_groups), row_start=unit.row_start, num_rows=unit.num_rows,
                              counters=counters.to_dict())
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = peak_rss_mb()
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
                           started=started, finished=time.time(), device=self.device, node=self.node)
 

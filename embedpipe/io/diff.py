@@ -19,7 +19,6 @@ content hash is compared by the worker, which hashes its rows' texts anyway.
 
 from __future__ import annotations
 
-import resource
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from embedpipe.io import fs
+from embedpipe.report.memory import peak_rss_mb
 from embedpipe.units import Unit
 
 MAP_UNITS = 32  # units per map task: (map tasks x buckets) Ray objects stay under ~40k at 10^4 units
@@ -224,7 +224,7 @@ def _hash64(ids: pa.Array) -> np.ndarray:
 
 
 def _peak(stats: DiffStats) -> DiffStats:
-    stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    stats.peak_rss_mb = peak_rss_mb()
     return stats
 
 
