@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "embedpipe"
 
 # Bottom first. A module takes the layer of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
-    ("embedpipe.config", "embedpipe.errors", "embedpipe.report.counters"),  # the schema, errors, counters: leaves
+    ("embedpipe.config", "embedpipe.errors", "embedpipe.report.counters", "embedpipe.report.memory"),  # leaves: the
+    # schema, errors, counters, a process's own peak memory
     ("embedpipe.io.fs", "embedpipe.io.store"),  # local and fsspec file access; the output tree's store
     ("embedpipe.units",),  # work units
     ("embedpipe.io",),  # readers, writers, manifest, quantization, ownership
