@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -107,32 +106,19 @@ def job_file(path: Path, *, data: Path, out: Path, model: Path, unit_rows: int) 
     return path
 
 
-class Launcher:
-    """Runs commands from a small process started before the corpus is built: Linux carries a process's peak
-    memory (ru_maxrss) across fork and exec, so a driver started from this big process would report ours."""
-
-    def __init__(self):
-        from concurrent.futures import ProcessPoolExecutor
-        from multiprocessing import get_context
-
-        self.pool = ProcessPoolExecutor(1, mp_context=get_context("forkserver"))
-        self.pool.submit(int).result()  # starts it now, while this process is small
-
-    def __call__(self, cmd: list[str]) -> subprocess.CompletedProcess:
-        return self.pool.submit(subprocess.run, cmd, capture_output=True, text=True).result()
-
-
-def cli_run(launch: Launcher, job: Path) -> float:
+def cli_run(job: Path) -> float:
     started = time.perf_counter()
-    done = launch([str(Path(sys.executable).parent / "embedpipe"), "run", str(job), "--no-progress"])
+    done = subprocess.run([str(Path(sys.executable).parent / "embedpipe"), "run", str(job), "--no-progress"],
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"embedpipe run {job} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
-def phase(launch: Launcher, name: str, job: Path) -> dict:
+def phase(name: str, job: Path) -> dict:
     """Plan or preflight in a fresh process: seconds and that process's peak memory."""
-    done = launch([sys.executable, __file__, "--phase", name, "--job", str(job)])
+    done = subprocess.run([sys.executable, __file__, "--phase", name, "--job", str(job)], capture_output=True,
+                          text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name} of {job} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -142,14 +128,15 @@ def run_phase(name: str, job_path: Path) -> None:
     from embedpipe.config import load_job
     from embedpipe.io.formats import plan_input
     from embedpipe.preflight import preflight
+    from embedpipe.report.memory import peak_rss_mb
 
     job = load_job(job_path)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base = peak_rss_mb()
     started = time.perf_counter()
     units = plan_input(job.input).units if name == "plan" else preflight(job).units
     seconds = time.perf_counter() - started
     print(json.dumps({"seconds": round(seconds, 2), "units": len(units),
-                      "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                      "peak_mb": round(peak_rss_mb(), 1),
                       "before_mb": round(base, 1)}))
 
 
@@ -158,8 +145,8 @@ def report_of(root: Path) -> dict:
     return json.loads((root / "versions" / version / "report.json").read_text())
 
 
-def check_size(launch: Launcher, rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
-               pool: np.ndarray, churns: dict) -> dict:
+def check_size(rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path, pool: np.ndarray,
+               churns: dict) -> dict:
     rng = np.random.default_rng(rows)
     per_file = -(-rows // files)
     ids = make_ids(rows, kind=kind, rng=rng)
@@ -168,18 +155,18 @@ def check_size(launch: Launcher, rows: int, *, files: int, row_groups: int, kind
     data, out = work / f"corpus-{rows}-{kind}", work / f"out-{rows}-{kind}"
     write_corpus(data, ids, texts, file_of, files=files, row_groups=row_groups)
     job = job_file(work / f"job-{rows}-{kind}.yaml", data=data, out=out, model=model, unit_rows=per_file)
-    night1 = cli_run(launch, job)
+    night1 = cli_run(job)
     (ids, texts, file_of), counts = churn(ids, texts, file_of, files=files, kind=kind, pool=pool, rng=rng, **churns)
     write_corpus(data, ids, texts, file_of, files=files, row_groups=row_groups)
-    plan, pre = phase(launch, "plan", job), phase(launch, "preflight", job)
-    night2 = cli_run(launch, job)
+    plan, pre = phase("plan", job), phase("preflight", job)
+    night2 = cli_run(job)
     r2 = report_of(out)
     # resume with nothing to do: night 2's version reopened as unfinished, CURRENT back on night 1
     night2_id = (out / "CURRENT").read_text().strip()
     (out / "versions" / night2_id / "VALIDATED").unlink()
     night1_id = min(p.name for p in (out / "versions").iterdir())
     (out / "CURRENT").write_text(night1_id + "\n")
-    resume = cli_run(launch, job)
+    resume = cli_run(job)
     r3 = report_of(out)
     assert r3["units"]["skipped_as_done"] == r3["units"]["total"], r3["units"]
     diff = r2["incremental"]["diff"]
@@ -261,7 +248,7 @@ def compare_lookups(rows: int, *, files: int, kind: str, work: Path, pool: np.nd
     return out
 
 
-def check_planning(launch: Launcher, rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
+def check_planning(rows: int, *, files: int, row_groups: int, kind: str, work: Path, model: Path,
                    pool: np.ndarray) -> dict:
     """Plan and preflight alone (no run): the corpus, then each phase in a fresh process."""
     rng = np.random.default_rng(rows)
@@ -270,7 +257,7 @@ def check_planning(launch: Launcher, rows: int, *, files: int, row_groups: int, 
                  np.arange(rows) // -(-rows // files), files=files, row_groups=row_groups)
     job = job_file(work / f"plan-{rows}.yaml", data=data, out=work / f"plan-out-{rows}", model=model,
                    unit_rows=-(-rows // files))
-    plan, pre = phase(launch, "plan", job), phase(launch, "preflight", job)
+    plan, pre = phase("plan", job), phase("preflight", job)
     shutil.rmtree(data)
     return {"rows": rows, "files": files, "ids": kind, "units": plan["units"], "plan_s": plan["seconds"],
             "plan_mb": plan["peak_mb"], "preflight_s": pre["seconds"], "preflight_mb": pre["peak_mb"]}
@@ -313,7 +300,6 @@ def main() -> None:
     if args.phase:
         run_phase(args.phase, args.job)
         return
-    launch = Launcher()
     churns = {"changed": args.changed, "deleted": args.deleted, "added": args.added, "moved": args.moved}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -331,13 +317,13 @@ def main() -> None:
         if args.planning_only:
             for rows in args.rows:
                 files = args.files or max(10, rows // 3000)
-                print(check_planning(launch, rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
+                print(check_planning(rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
                                      model=model, pool=pool), flush=True)
             return
         print(HEADER, flush=True)
         for rows in args.rows:
             files = args.files or max(10, rows // 3000)
-            r = check_size(launch, rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
+            r = check_size(rows, files=files, row_groups=args.row_groups, kind=args.ids, work=work,
                            model=model, pool=pool, churns=churns)
             if args.json:
                 with args.json.open("a") as f:
