@@ -153,9 +153,9 @@ class EmbedWorker:
         self.manifest.record(unit.id, parts=[part], document_parts=documents, file=unit.file,
                              row_groups=list(unit.row_groups), row_start=unit.row_start, num_rows=unit.num_rows,
                              counters=counters.to_dict())
-        peak = peak_rss_mb()
-        return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(), peak_rss_mb=round(peak, 1),
-                          started=started, finished=time.time(), device=self.device, node=self.node)
+        return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(),
+                          peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
+                          device=self.device, node=self.node)
 
     def _reuse(self, unit_id: str, rows, counters):
         """Incremental: the rows to encode (content changed) and the previous version's answer for the others."""
