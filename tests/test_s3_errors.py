@@ -108,10 +108,28 @@ def auth_s3(tmp_path_factory, quickstart_table):
             keys[user] = {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
         # from now on every request is checked: its signature against the IAM keys, its action against the policy
         requests.post(f"{endpoint}/moto-api/reset-auth", data=b"0", timeout=10).raise_for_status()
+        _check_aws_actions(endpoint, keys["lister"])
         yield AuthS3(endpoint=endpoint, keys=keys)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def _check_aws_actions(endpoint: str, lister: dict[str, str]) -> None:
+    """The server authorizes as AWS does: a LIST (ListObjectsV2) needs s3:ListBucket, which "lister" holds.
+    moto 5.2.6 asks for s3:ListObjectsV2 instead; every policy case here would then be judged by that rule."""
+    import boto3
+    import botocore.exceptions
+    import moto
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=lister["key"],
+                          aws_secret_access_key=lister["secret"])
+    try:
+        client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
+    except botocore.exceptions.ClientError as exc:
+        pytest.fail(f"moto {moto.__version__} refused ListObjectsV2 to a user holding s3:ListBucket ({exc}): AWS "
+                    f"authorizes it as s3:ListBucket; install the moto that pyproject.toml's dev extra names "
+                    f"(bash scripts/setup.sh)")
 
 
 @pytest.fixture
