@@ -127,9 +127,9 @@ def _check_aws_actions(endpoint: str, lister: dict[str, str]) -> None:
     try:
         client.list_objects_v2(Bucket=BUCKET, MaxKeys=1)
     except botocore.exceptions.ClientError as exc:
-        pytest.fail(f"moto {moto.__version__} refused ListObjectsV2 to a user holding s3:ListBucket ({exc}): AWS "
-                    f"authorizes it as s3:ListBucket; install the moto that pyproject.toml's dev extra names "
-                    f"(bash scripts/setup.sh)")
+        pytest.fail(f"moto {moto.__version__} refused ListObjectsV2 to a user holding s3:ListBucket ({exc}), which "
+                    f"is all AWS asks for it: exclude this moto in pyproject.toml's dev extra, as 5.2.6 is, and run "
+                    f"bash scripts/setup.sh")
 
 
 @pytest.fixture
