@@ -22,7 +22,7 @@ import time
 from bench_sample import add_sample_arguments, cpu_description, load_texts
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-BACKENDS = ("matmul", "sdpa")  # the CPU ones; `reference` is the ground truth
+BACKENDS = ("grouped", "matmul", "sdpa")  # the CPU ones; `reference` is the ground truth
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,13 +76,13 @@ def main() -> int:
     for b in batches:
         qkv = torch.randn(b.num_tokens, 3 * H * D, generator=g).to(dtype)  # [T, 3 H D]
         q, k, v = qkv.view(b.num_tokens, 3, H, D).unbind(1)  # 3 x [T, H, D]
-        plan = attention.plan_attention(b.cu_seqlens, backend="matmul")
-        inputs.append((q, k, v, b.cu_seqlens, b.max_seqlen, plan))
+        plans = {name: attention.plan_attention(b.cu_seqlens, backend=name) for name in BACKENDS}  # once per batch
+        inputs.append((q, k, v, b.cu_seqlens, b.max_seqlen, plans))
 
     def layer_pass(name: str) -> list:
         fn = attention.BACKENDS[name]
         return [fn(q, k, v, cu_seqlens=cu, max_seqlen=m, causal=False, window=None, scale=None,
-                   plan=plan if name == "matmul" else None) for q, k, v, cu, m, plan in inputs]
+                   plan=plans.get(name)) for q, k, v, cu, m, plans in inputs]
 
     with torch.no_grad():
         ref = layer_pass("reference")
