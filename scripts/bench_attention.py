@@ -5,6 +5,7 @@ attention's share of a whole step, and the linears alone for the same tokens.
 
 Prints, interleaved and best of ``--repeats``:
   - each CPU attention backend (kernels/cpu.py) over one layer of every batch, and its max error vs `reference`;
+  - `grouped`'s SDPA calls in that layer pass, by their group's padded length: calls, seconds, GFLOP/s;
   - the whole embed as shipped, and with the attention replaced by a copy of q (the step without attention:
     not a model, a measurement);
   - the model's linears alone on the same batch shapes (the GEMM floor), and the ceiling it sets: the engine
@@ -94,6 +95,37 @@ def main() -> int:
     for name in BACKENDS:
         print(f"| {name}{' (shipped)' if name == shipped else ''} | {alone[name] * 1e3:.1f} ms | "
               f"{alone[name] * 1e6 / tokens:.2f} us | {errors[name]:.1e} |")
+
+    # 1b. grouped's SDPA calls in one layer pass, by padded length (torch's CPU flash kernel, timed per call)
+    bands = {"L <= 48": 48, "L 64-128": 128, "L 144+": None}  # label -> longest padded length it holds
+    calls = {label: [0, 0.0, 0.0] for label in bands}  # label -> calls, seconds, FLOPs
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def timed_sdpa(q4, k4, v4, **kwargs):  # [n, H, L, D]
+        began = time.perf_counter()
+        out = sdpa(q4, k4, v4, **kwargs)
+        n, h, L, d = q4.shape
+        label = next(b for b, top in bands.items() if top is None or L <= top)
+        calls[label][0] += 1
+        calls[label][1] += time.perf_counter() - began
+        calls[label][2] += 4 * n * h * L * L * d  # QK^T and PV
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = timed_sdpa
+    try:
+        with torch.no_grad():
+            began = time.perf_counter()
+            layer_pass("grouped")
+            grouped_s = time.perf_counter() - began
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    in_sdpa = sum(c[1] for c in calls.values())
+    print(f"\n`grouped`, one layer pass: {grouped_s * 1e3:.1f} ms, {in_sdpa / grouped_s:.0%} of it in SDPA calls")
+    print("| groups | SDPA calls | seconds | share of the SDPA time | GFLOP | GFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for label, (n, seconds, flops) in calls.items():
+        print(f"| {label} | {n} | {seconds:.3f} | {seconds / max(in_sdpa, 1e-9):.0%} | {flops / 1e9:.2f} | "
+              f"{flops / max(seconds, 1e-9) / 1e9:.0f} |")
 
     # 2. the whole embed, and the same step with the attention replaced by a copy of q
     def no_attention(q, k, v, **_):
