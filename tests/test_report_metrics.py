@@ -49,7 +49,10 @@ def test_scaling_takes_its_wall_on_the_spans_clock_when_the_driver_clock_disagre
     m = _metrics(SPANS, wall_seconds=7.5, ended_at=1010.0)
     assert m["scaling_efficiency"] == pytest.approx(14 / 20)  # as with agreeing clocks, not 14 / 15
     assert m["scaling_efficiency_after_startup"] == pytest.approx(14 / 16)
-    assert _metrics(SPANS, wall_seconds=7.5)["scaling_efficiency"] == pytest.approx(14 / 15)  # no end: the wall
+    assert m["timeline_seconds"] == 10.0  # the timelines' axis: the last span ends at 10 s, past wall_seconds
+    assert max(s[1] for w in m["per_worker"] for s in w["timeline"]) <= m["timeline_seconds"]
+    alone = _metrics(SPANS, wall_seconds=7.5)
+    assert alone["scaling_efficiency"] == pytest.approx(14 / 15) and alone["timeline_seconds"] == 7.5  # no end
 
 
 def test_mfu_by_hand():

@@ -14,7 +14,8 @@ Definitions (all in report.json, rendered by report/render.py):
   taken to the end): what scheduling gaps and idle tails cost, without the run's fixed start-up.
   Both efficiencies take their wall on the units' clock (``time.time()``: ``ended_at - started_at``), not the
   driver's ``perf_counter`` of ``wall_seconds``: when the two disagree (a VM paused mid-run steps one of them),
-  the ratio of the spans to the run stays whole.
+  the ratio of the spans to the run stays whole. ``timeline_seconds`` is that wall: every per-worker
+  ``timeline`` span ends within it (not always within ``wall_seconds``, when the clocks disagree).
 - ``mfu``: flops_per_token x tokens / wall seconds / the summed measured peak of all devices, in the
   model's dtype; ``encode_mfu`` divides by encode seconds instead, i.e. how close the encoder ran to
   the hardware while it ran.
@@ -71,6 +72,7 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     return {
         "padding_efficiency": _ratio(report["tokens"], report["padded_tokens"]),
         "startup_seconds": round(startup, 3) if startup is not None else None,
+        "timeline_seconds": round(span_wall, 3),  # the timelines' x axis: job start to end on the spans' clock
         "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
         "busy_source": "encode",  # the stage busy seconds come from
         "scaling_efficiency": _ratio(worker_seconds, len(devices) * span_wall),

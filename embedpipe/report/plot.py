@@ -35,7 +35,7 @@ def build_figure(report: dict):
         xs, ys = worker_line(w.get("timeline", []))
         timeline.plot(xs, ys, label=f"worker {w['worker']}", linewidth=1.2)
     timeline.set(xlabel="seconds since start", ylabel="tokens/s", title="tokens/s per worker")
-    timeline.set_xlim(0, max(report.get("wall_seconds", 0.0), 1e-3))
+    timeline.set_xlim(0, max(report.get("timeline_seconds") or report.get("wall_seconds", 0.0), 1e-3))
     timeline.grid(alpha=0.3)
     if report.get("per_worker"):
         timeline.legend(loc="best", fontsize="small")
