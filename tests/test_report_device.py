@@ -58,10 +58,39 @@ def test_cpu_probe_times_every_matmul_the_encoder_may_use():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
     found = _matmuls("cpu", torch.float32)
-    assert len(found) == (2 if onednn_linear_works() else 1)
-    for mm in found:  # each computes a @ b (oneDNN's as a @ (b^T)^T: same FLOPs and shapes)
+    assert len(found) == (3 if onednn_linear_works() else 2)  # torch.mm, F.linear, oneDNN's linear
+    for mm in found:  # each computes a @ b (the linears as a @ (b^T)^T: same FLOPs and shapes)
         out = mm(a, b)
         assert out.shape == (64, 64)
         want = a @ b if mm is torch.mm else a @ b.T
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
-    assert len(_matmuls("cpu", torch.float16)) == 1 and len(_matmuls("cuda", torch.bfloat16)) == 1
+    assert len(_matmuls("cpu", torch.float16)) == 2 and len(_matmuls("cuda", torch.bfloat16)) == 1
+
+
+def test_a_dtype_measured_slower_than_float32_gets_one_line_naming_the_fix():
+    from embedpipe.report.device import slower_than_float32
+
+    # an AVX2-only AMD EPYC, 2 threads, as probed: no native bfloat16 matmul (the engine ran 6x slower than in fp32)
+    slow = DeviceInfo(kind="cpu", name="AMD EPYC", peak_flops={"float32": 1.86e11, "bfloat16": 2.09e10})
+    line = slower_than_float32(slow, "bfloat16")
+    assert line.startswith("model.dtype bfloat16 on AMD EPYC: ") and "21 GFLOP/s against 186 in float32" in line
+    assert line.endswith("set model.dtype: float32 (or auto) for this machine")
+    assert slower_than_float32(slow, "float32") is None and slower_than_float32(slow, "auto") is None  # CPU: fp32
+    amx = DeviceInfo(kind="cpu", name="Intel Xeon", peak_flops={"float32": 1.4e11, "bfloat16": 1.6e12})
+    assert slower_than_float32(amx, "bfloat16") is None
+    gpu = DeviceInfo(kind="cuda", name="NVIDIA H100", peak_flops={"float32": 5e13, "bfloat16": 7e14})
+    assert slower_than_float32(gpu, "auto") is None  # auto: bfloat16 on CUDA, faster
+    assert slower_than_float32(DeviceInfo(kind="cpu", name="x"), "bfloat16") is None  # a failed probe says nothing
+
+
+def test_the_driver_logs_each_device_warning_once(caplog):
+    from embedpipe.cluster.driver import _warn_once
+    from embedpipe.report.device import slower_than_float32
+
+    slow = DeviceInfo(kind="cpu", name="AMD EPYC", peak_flops={"float32": 1.86e11, "bfloat16": 2.09e10})
+    warned: set[str] = set()
+    with caplog.at_level("WARNING", logger="embedpipe.cluster.driver"):
+        for _ in range(3):  # three units of two workers on one host: one line
+            _warn_once(slower_than_float32(slow, "bfloat16"), warned)
+            _warn_once(slower_than_float32(slow, "float32"), warned)  # nothing to say
+    assert [r.getMessage() for r in caplog.records] == [slower_than_float32(slow, "bfloat16")]

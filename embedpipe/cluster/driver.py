@@ -40,7 +40,7 @@ from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, preflight
 from embedpipe.report.counters import Counters
-from embedpipe.report.device import DeviceInfo
+from embedpipe.report.device import DeviceInfo, slower_than_float32
 from embedpipe.report.history import record_run
 from embedpipe.report.memory import peak_rss_mb
 from embedpipe.report.metrics import UnitSpan, devices_by_slot, extend_report, fill_usd_saved, run_metrics
@@ -204,6 +204,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     this_run, per_worker, peaks = Counters(), [], {}
     spans: list[UnitSpan] = []
     devices: dict[int, DeviceInfo] = {}  # slot -> the device its worker measured
+    warned: set[str] = set()  # device warnings logged: each line once, not once per unit or worker
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
     finished = done  # the units with a record once the scheduler is through (this run's added below)
     diff = None  # the incremental diff's report section, when there was a previous version to look in
@@ -248,6 +249,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                     peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
                     spans.append(UnitSpan(result.worker, result.started, result.finished, counters, node=result.node))
                     devices[result.worker] = DeviceInfo.from_dict(result.device)
+                    _warn_once(slower_than_float32(devices[result.worker], job.model.dtype), warned)
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
@@ -292,6 +294,12 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     sweep_temporaries(output)  # a killed write's .tmp files: never left in a finished output
     report = record_run(output, report, started_at=started_at, this_run=this_run)  # runs/<id>/, then the output's
     return RunResult(output_path=output, report=report)
+
+
+def _warn_once(line: str | None, warned: set[str]) -> None:
+    if line and line not in warned:
+        warned.add(line)
+        log.warning(line)
 
 
 def _describe(job: JobSpec, plan: RunPlan, output: TreePath, calibration: Calibration | None) -> OutputDescription:

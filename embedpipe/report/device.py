@@ -2,7 +2,7 @@
 
 ``describe_device`` names the device (GPU name, or CPU model and threads) and measures its peak
 rate with a short square-matmul probe, through every matmul the encoder may use there (on CPU:
-torch's own, i.e. MKL, and oneDNN's linear op, which the CPU encoder runs; the faster counts), so
+torch's own mm and linear, i.e. MKL, and oneDNN's linear op, which the CPU encoder runs; the fastest counts), so
 MFU is against the best this device does, never above 100% because the probe took a slower path. The probe runs once per machine: its result is cached in
 ``~/.cache/embedpipe/peak_flops.json`` (``EMBEDPIPE_CACHE_DIR`` moves it), keyed by host, device,
 threads, dtype and torch version, under a file lock so that workers starting together on one host
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 # square matmul sizes probed and the seconds of timed repeats per size: the fastest repeat wins
 PROBE_SIZES: dict[str, tuple[int, ...]] = {"cpu": (512, 1024), "cuda": (4096, 8192)}
 PROBE_SECONDS = 0.25
-PROBE_VERSION = 2  # in the cache key: 2 added the oneDNN matmul to the CPU probe
+PROBE_VERSION = 3  # in the cache key: 2 added the oneDNN matmul to the CPU probe, 3 torch's linear
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,21 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
         log.warning("peak FLOP/s probe failed on %s (%s): MFU will be unknown", name, exc)
         return info
     return DeviceInfo(**{**asdict(info), "peak_flops": peaks})
+
+
+def slower_than_float32(info: DeviceInfo, dtype: str) -> str | None:
+    """One warning line when ``dtype`` (a model.dtype) measured a slower matmul peak on this device than float32
+    (a CPU with no native bfloat16 or float16 matmul computes them in emulation, several times slower), else None.
+    Measured by the probe, not assumed from the CPU's vendor or flags."""
+    from embedpipe.config import resolve_dtype
+
+    resolved = resolve_dtype(dtype, device=info.kind)
+    low, full = info.peak_flops.get(resolved), info.peak_flops.get("float32")
+    if resolved == "float32" or not low or not full or low >= full:
+        return None
+    return (f"model.dtype {resolved} on {info.name}: its {resolved} matmul measured {low / 1e9:,.0f} GFLOP/s against "
+            f"{full / 1e9:,.0f} in float32 (no native {resolved} matmul here), so this run is slower than float32, "
+            f"whose vectors are exact: set model.dtype: float32 (or auto) for this machine")
 
 
 def cache_path() -> Path:
@@ -144,6 +159,9 @@ def _matmuls(kind: str, dtype) -> list:
 
     found = [torch.mm]
     if kind == "cpu":
+        # torch's linear (a @ b^T), what the encoder's linears run where oneDNN's op is not used: on a CPU with no
+        # native bfloat16 its transposed-B kernel runs far faster than torch.mm (2-core AVX2 EPYC: 21 against 1 GFLOP/s)
+        found.append(torch.nn.functional.linear)
         from embedpipe.runtime.cpu import ONEDNN_DTYPES, onednn_linear_works
 
         if dtype in ONEDNN_DTYPES and onednn_linear_works(dtype):
