@@ -77,6 +77,44 @@ def test_embed_options_are_the_job_schema_fields(minilm_dir):
     assert (job.model.max_seq_len, job.model.dtype, job.batching.max_tokens, job.runtime.device) == (64, "bfloat16", 1024, "cpu")
 
 
+def test_embed_warns_once_when_its_dtype_measured_slower_than_float32(minilm_dir, tmp_path, monkeypatch, caplog):
+    """The driver's warning in process: the probe's rates (seeded into its cache, as an AVX2-only EPYC measured
+    them, then as an AMX Xeon did) decide it, once per encoder; float32, the CPU's auto, probes nothing."""
+    from collections import OrderedDict
+
+    import torch
+
+    from embedpipe.api import inprocess
+    from embedpipe.report.device import cache_key, cache_path, cpu_model, describe_device
+
+    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inprocess, "_ENCODERS", OrderedDict())
+    embedpipe.embed(["no probe in float32"], model=str(minilm_dir))
+    assert not cache_path().exists()
+
+    info = describe_device("cpu", probe=False)
+    assert info.name == cpu_model() and info.threads == torch.get_num_threads()
+
+    def seed(rates: dict[str, float]) -> None:
+        cache_path().write_text(json.dumps({cache_key(info, dtype): rate for dtype, rate in rates.items()}))
+        inprocess._ENCODERS.clear()
+
+    seed({"float32": 1.86e11, "bfloat16": 2.09e10})
+    with caplog.at_level("WARNING", logger="embedpipe.api.inprocess"):
+        for _ in range(2):
+            embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16")
+    lines = [r.getMessage() for r in caplog.records if r.name == "embedpipe.api.inprocess"]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"embed(dtype=...) bfloat16 on {info.name}: its bfloat16 matmul measured 21 GFLOP/s")
+    assert 'so embed() is slower than float32' in lines[0] and lines[0].endswith('set dtype="float32" (or "auto") for '
+                                                                                   'this machine')
+    caplog.clear()
+    seed({"float32": 1.4e11, "bfloat16": 1.6e12})
+    with caplog.at_level("WARNING", logger="embedpipe.api.inprocess"):
+        embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16")
+    assert not [r for r in caplog.records if r.name == "embedpipe.api.inprocess"]
+
+
 def test_embed_prompt_dim_and_quantized_outputs(minilm_dir, tmp_path):
     """prompt, dim and output_dtype as the job applies them; int8 ranges fitted on the inputs or
     taken from a job's quantization.json (queries quantized as that job's vectors were)."""

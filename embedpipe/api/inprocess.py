@@ -8,6 +8,7 @@ all of them come back as one array. Larger corpora: write them to files and run 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import OrderedDict
@@ -23,6 +24,8 @@ from embedpipe.io.rows import screen_rows
 from embedpipe.io.writer import document_means
 from embedpipe.text.chunking import Chunks, concat_chunks
 from embedpipe.units import InputError
+
+log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 10_000  # rows tokenized and packed together: the default input.unit_rows, as a worker sees them
 
@@ -163,10 +166,24 @@ def _encoder(job):
     key = repr((job.model, job.batching, job.runtime, job.output.dim, job.input.chunking))  # lists inside: no hash
     if key not in _ENCODERS:
         _ENCODERS[key] = Encoder.from_job(job)
+        _warn_if_slower(_ENCODERS[key])
         while len(_ENCODERS) > MAX_ENCODERS:
             _ENCODERS.popitem(last=False)
     _ENCODERS.move_to_end(key)
     return _ENCODERS[key]
+
+
+def _warn_if_slower(encoder) -> None:
+    """The driver's warning, in process: a model.dtype whose matmul this device measured slower than float32 (bfloat16
+    on a CPU with no native bfloat16) is logged once per encoder. float32 (CPU's auto) probes nothing."""
+    from embedpipe.report.device import describe_device, slower_than_float32
+
+    if encoder.dtype == "float32":
+        return
+    line = slower_than_float32(describe_device(encoder.device, dtypes=(encoder.dtype,)), encoder.dtype,
+                               setting="embed(dtype=...)", subject="embed()", fix='dtype="float32" (or "auto")')
+    if line:
+        log.warning(line)
 
 
 # --------------------------------------------------------------------------- inputs

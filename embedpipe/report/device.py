@@ -84,33 +84,40 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
     return DeviceInfo(**{**asdict(info), "peak_flops": peaks})
 
 
-def slower_than_float32(info: DeviceInfo, dtype: str) -> str | None:
+def slower_than_float32(info: DeviceInfo, dtype: str, *, setting: str = "model.dtype", subject: str = "this run",
+                        fix: str = "model.dtype: float32 (or auto)") -> str | None:
     """One warning line when ``dtype`` (a model.dtype) measured a slower matmul peak on this device than float32
     (a CPU with no native bfloat16 or float16 matmul computes them in emulation, several times slower), else None.
-    Measured by the probe, not assumed from the CPU's vendor or flags."""
+    ``setting``, ``subject`` and ``fix`` word it for the caller: a job's run and its model.dtype, or ``embed()`` and
+    its ``dtype=`` option. Measured by the probe, not assumed from the CPU's vendor or flags."""
     from embedpipe.config import resolve_dtype
 
     resolved = resolve_dtype(dtype, device=info.kind)
     low, full = info.peak_flops.get(resolved), info.peak_flops.get("float32")
     if resolved == "float32" or not low or not full or low >= full:
         return None
-    return (f"model.dtype {resolved} on {info.name}: its {resolved} matmul measured {low / 1e9:,.0f} GFLOP/s against "
-            f"{full / 1e9:,.0f} in float32 (no native {resolved} matmul here), so this run is slower than float32, "
-            f"whose vectors are exact: set model.dtype: float32 (or auto) for this machine")
+    return (f"{setting} {resolved} on {info.name}: its {resolved} matmul measured {low / 1e9:,.0f} GFLOP/s against "
+            f"{full / 1e9:,.0f} in float32 (no native {resolved} matmul here), so {subject} is slower than float32, "
+            f"whose vectors are exact: set {fix} for this machine")
 
 
 def cache_path() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
+def cache_key(info: DeviceInfo, dtype: str) -> str:
+    """The cache's key of one probe: host, device, threads, dtype, torch and the probe's version."""
+    import torch
+
+    return (f"{info.host}|{info.kind}|{info.name}|threads={info.threads}|{dtype}|torch={torch.__version__}"
+            f"|probe={PROBE_VERSION}")
+
+
 def cached_peak(info: DeviceInfo, dtype: str) -> float:
     """The cached peak for this device and dtype, measured (under a lock) when missing."""
     import fcntl
 
-    import torch
-
-    key = (f"{info.host}|{info.kind}|{info.name}|threads={info.threads}|{dtype}|torch={torch.__version__}"
-           f"|probe={PROBE_VERSION}")
+    key = cache_key(info, dtype)
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
