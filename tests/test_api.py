@@ -89,7 +89,7 @@ def test_embed_warns_once_when_its_dtype_measured_slower_than_float32(minilm_dir
 
     monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(inprocess, "_ENCODERS", OrderedDict())
-    embedpipe.embed(["no probe in float32"], model=str(minilm_dir))
+    embedpipe.embed(["no probe in float32"], model=str(minilm_dir), device="cpu")  # a GPU machine too
     assert not cache_path().exists()
 
     info = describe_device("cpu", probe=False)
@@ -102,7 +102,7 @@ def test_embed_warns_once_when_its_dtype_measured_slower_than_float32(minilm_dir
     seed({"float32": 1.86e11, "bfloat16": 2.09e10})
     with caplog.at_level("WARNING", logger="embedpipe.api.inprocess"):
         for _ in range(2):
-            embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16")
+            embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16", device="cpu")
     lines = [r.getMessage() for r in caplog.records if r.name == "embedpipe.api.inprocess"]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"embed(dtype=...) bfloat16 on {info.name}: its bfloat16 matmul measured 21 GFLOP/s")
@@ -111,7 +111,7 @@ def test_embed_warns_once_when_its_dtype_measured_slower_than_float32(minilm_dir
     caplog.clear()
     seed({"float32": 1.4e11, "bfloat16": 1.6e12})
     with caplog.at_level("WARNING", logger="embedpipe.api.inprocess"):
-        embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16")
+        embedpipe.embed(["a short text"], model=str(minilm_dir), dtype="bfloat16", device="cpu")
     assert not [r for r in caplog.records if r.name == "embedpipe.api.inprocess"]
 
 
