@@ -309,11 +309,13 @@ class RuntimeConfig:
                                       "to the OS: no page faults on every step (MiniLM: ~25% faster), but a worker "
                                       "then holds its peak memory until it exits.")
     cpu_linears: Literal["onednn", "torch", "auto"] = opt(
-        "onednn", "CPU: the GEMM library of the model's linear layers. onednn: oneDNN wherever it runs correctly "
-                  "(else torch's); torch: torch's own (MKL or its BLAS); auto: measured at each machine's first "
-                  "start-up (oneDNN unless torch's is 25% faster, cached per machine). Every worker of a run must "
-                  "compute the same bits, so auto suits one machine or identical ones: machines that measure "
-                  "differently compute vectors that differ in their last bits.")
+        "auto", "CPU: the GEMM library of the model's linear layers. auto: the faster one here, measured at a "
+                "machine's first start-up by timing the model's own forward on both (oneDNN unless torch's is 10% "
+                "faster; cached per machine, model and dtype, so every worker of a machine agrees); onednn: oneDNN "
+                "wherever it runs correctly (else torch's); torch: torch's own (MKL or its BLAS). The two differ in "
+                "their last bits (float32 rounding): machines that measure differently (a close call on a busy "
+                "machine) write vectors that differ there; pin onednn or torch where every node must agree bit "
+                "for bit.")
     cuda_graphs: bool = opt(True, "GPU: pad batches to batching.buckets and replay one CUDA graph per bucket "
                                   "(captured on first use); false: run eagerly on exact shapes.")
     max_graphs: int = opt(32, "GPU: graphs kept at once; beyond it the least recently used is released.")

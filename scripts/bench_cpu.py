@@ -48,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="16,32,64", help="sentence-transformers batch sizes to try")
     p.add_argument("--max-tokens", type=int, default=None, help="our batching.max_tokens (default: the job default)")
     p.add_argument("--ablations", action="store_true",
-                   help="also time our fp32 engine with torch's own (MKL) linears and with the sdpa attention backend")
+                   help="also time our fp32 engine with runtime.cpu_linears torch (MKL) and auto (measured), and "
+                        "with the sdpa attention backend")
     p.add_argument("--peers", action="store_true", help="also time ONNX Runtime and OpenVINO (the bench extra)")
     p.add_argument("--cli", action="store_true", help="also time `embedpipe run` end to end (1 worker x --threads)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -130,7 +131,8 @@ def matmul_dtype(kind: str) -> str:
 
 def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Callable[[list[str]], np.ndarray]:
     """One contender's texts -> vectors function, its model loaded. kind: "st", a dtype, or an
-    ablation "float32-mkl" (torch's own linears) / "float32-sdpa" (the sdpa attention backend)."""
+    ablation "float32-torch" (runtime.cpu_linears: torch, torch's own linears), "float32-auto" (cpu_linears: auto, the
+    library measured faster here) or "float32-sdpa" (the sdpa attention backend)."""
     from embedpipe.models.resolve import resolve_model_path
 
     model_dir = str(resolve_model_path(MODEL))
@@ -149,17 +151,18 @@ def build(kind: str, args: argparse.Namespace, *, st_batch_size: int = 32) -> Ca
             return bench_peers.onnxruntime_runner(model_dir, onnx_path, threads=args.threads, batch_size=st_batch_size)
         return bench_peers.openvino_runner(model_dir, onnx_path, threads=args.threads, batch_size=st_batch_size,
                                            precision=kind.partition("-")[2])
-    from unittest import mock
-
     from embedpipe.runtime import Encoder, cpu
 
     dtype, _, ablation = kind.partition("-")
     extra = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
     if ablation == "sdpa":
         extra["attention"] = "sdpa"
-    real = cpu.onednn_linear_works
-    with mock.patch.object(cpu, "onednn_linear_works", lambda *dtype: ablation != "mkl" and real(*dtype)):
-        encoder = Encoder.from_options(model_dir, dtype=dtype, threads=args.threads, **extra)
+    elif ablation in ("torch", "auto"):
+        extra["cpu_linears"] = ablation
+    encoder = Encoder.from_options(model_dir, dtype=dtype, threads=args.threads, **extra)
+    if ablation == "auto":
+        on = "oneDNN" if any(isinstance(m, cpu.OneDNNLinear) for m in encoder.loaded.model.modules()) else "torch"
+        print(f"cpu_linears auto chose {on}'s linears here", file=sys.stderr)
     return encoder.embed
 
 
@@ -231,7 +234,9 @@ def main() -> int:
 
     kinds = {"embedpipe fp32": "float32", "embedpipe bf16": "bfloat16"}
     if args.ablations:
-        kinds |= {"embedpipe fp32, torch (MKL) linears": "float32-mkl", "embedpipe fp32, sdpa attention": "float32-sdpa"}
+        kinds |= {"embedpipe fp32, cpu_linears torch (MKL)": "float32-torch",
+                  "embedpipe fp32, cpu_linears auto (measured)": "float32-auto",
+                  "embedpipe fp32, sdpa attention": "float32-sdpa"}
     contenders = [Contender(f"sentence-transformers fp32 (batch {best_bs})", trial[sizes.index(best_bs)].run)]
     contenders += [Contender(name, build(kind, args)) for name, kind in kinds.items()]
     if args.peers:

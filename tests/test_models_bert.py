@@ -171,11 +171,13 @@ def test_batch_invariance(minilm, backend):
     assert (alone - packed).abs().max().item() <= 1e-6
 
 
-def test_encoder_default_cpu_path_is_batch_invariant(minilm_dir):
-    """The CPU default as workers run it (grouped attention, oneDNN linears, the packer's batches)."""
+@pytest.mark.parametrize("linears", ["onednn", "torch"])
+def test_encoder_default_cpu_path_is_batch_invariant(minilm_dir, linears):
+    """The CPU default as workers run it (grouped attention, the packer's batches), on each GEMM library
+    runtime.cpu_linears: auto may choose."""
     from embedpipe.runtime import Encoder
 
-    enc = Encoder.from_options(str(minilm_dir), threads=2)
+    enc = Encoder.from_options(str(minilm_dir), threads=2, cpu_linears=linears)
     others = [f"Filler sentence {i} " + "with more words " * (i % 7) for i in range(300)]
     alone = enc.embed([TEXTS[7]])
     packed = enc.embed(others[:150] + [TEXTS[7]] + others[150:])[150:151]

@@ -41,6 +41,10 @@ MOVED = ".shipped"  # the suffix the hook renames a model folder to, once the dr
 def _job(work: Path, name: str, folder: Path, model: Path, **output) -> Path:
     return write_job(work / f"{name}.yaml", name=name, input={"path": str(folder), "unit_rows": 30},
                      model={"path": str(model)}, batching={"max_tokens": 2048},
+                     # pinned: the vectors are compared bit for bit with the reference's, and these "machines" are
+                     # raylets with caches of their own on one busy machine, where cpu_linears: auto could measure
+                     # differently on each
+                     runtime={"cpu_linears": "onednn"},
                      output={"path": str(work / f"out_{name}"), **output},
                      cluster={"address": "ADDRESS", "workers": 2, "cpus_per_worker": 1, "placement_timeout_s": 30})
 

@@ -60,37 +60,65 @@ def test_onednn_rows_are_padded_to_few_shapes():
     assert padded_rows(1) == 16 and padded_rows(300) == 320 and padded_rows(4000) == 4096
 
 
-def test_the_gemm_library_is_chosen_by_measurement_once_per_machine(tmp_path, monkeypatch, caplog):
-    """MiniLM's linear shapes go to the library the start-up probe timed faster (oneDNN unless torch wins by the
-    margin); the answer is cached, so a second model on this machine gets it without measuring."""
+def test_the_gemm_library_is_chosen_by_timing_the_models_forward_once_per_machine(minilm_dir, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """runtime.cpu_linears: auto times MiniLM's own forward (its post-ops included) on oneDNN's linears and on torch's,
+    and keeps the library that the logged timings say (oneDNN unless torch's is TORCH_MARGIN faster); the answer is
+    cached per machine, so a second encoder gets it without measuring, and the model runs on it."""
     import logging
 
+    from embedpipe.runtime import Encoder, cpu
+
+    if not cpu.onednn_linear_works(torch.float32):
+        pytest.skip("oneDNN's linear does not run on this CPU: nothing to choose")
+    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
+    forwards = []
+    real = cpu.forward_timings
+    monkeypatch.setattr(cpu, "forward_timings", lambda model, twins: forwards.append(model) or real(model, twins))
+    with caplog.at_level(logging.INFO, logger="embedpipe.runtime.cpu"):
+        encoder = Encoder.from_options(str(minilm_dir), device="cpu", cpu_linears="auto", warmup_check=False)
+    logged = re.search(r"ms per forward: oneDNN ([\d.]+), torch ([\d.]+) -> (\w+)", caplog.text)  # the probe
+    onednn_ms, torch_ms, choice = float(logged[1]), float(logged[2]), logged[3]
+    assert forwards == [encoder.loaded.model] and onednn_ms > 0 and torch_ms > 0
+    assert choice == ("torch" if onednn_ms > cpu.TORCH_MARGIN * torch_ms else "onednn")
+    linears = [type(m) for m in encoder.loaded.model.modules() if isinstance(m, (nn.Linear, cpu.OneDNNLinear))]
+    assert set(linears) == {cpu.OneDNNLinear if choice == "onednn" else nn.Linear}
+    assert (tmp_path / "cpu_linears.json").is_file()
+    monkeypatch.setattr(cpu, "_faster", lambda timings: pytest.fail("measured again"))
+    again = Encoder.from_options(str(minilm_dir), device="cpu", cpu_linears="auto", warmup_check=False)
+    assert {type(m) for m in again.loaded.model.modules() if isinstance(m, (nn.Linear, cpu.OneDNNLinear))} == set(linears)
+    vectors = again.embed(["one short text", "and another"])
+    assert vectors.shape == (2, 384)
+
+
+def test_the_probe_pack_shrinks_for_a_costly_model():
+    """The probe's batch: 64-token sequences, 1,024 tokens for a small model, down to one sequence for a large one,
+    so that no machine spends more than PROBE_FLOPS a forward choosing."""
     from embedpipe.runtime import cpu
 
-    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
-    with caplog.at_level(logging.INFO, logger="embedpipe.runtime.cpu"):
-        choice = cpu.choose_linears(model)
-    timings = cpu.linear_timings(((384, 1536), (1536, 384)), dtype=torch.float32, threads=torch.get_num_threads())
-    assert set(timings) == {"onednn", "torch"} and timings["torch"] > 0
-    logged = re.search(r"oneDNN ([\d.]+), torch ([\d.]+) -> (\w+)", caplog.text)  # the probe that decided
-    onednn_ms, torch_ms, said = float(logged[1]), float(logged[2]), logged[3]
-    assert said == choice == ("torch" if onednn_ms > cpu.TORCH_MARGIN * torch_ms else "onednn")
-    assert (type(model[0]) is cpu.OneDNNLinear) == (choice == "onednn")
-    assert "ms per probe" in caplog.text and (tmp_path / "cpu_linears.json").is_file()
-    monkeypatch.setattr(cpu, "_faster", lambda timings: pytest.fail("measured again"))
-    again = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
-    assert cpu.choose_linears(again) == choice
+    class Model(nn.Module):
+        def __init__(self, flops: float):
+            super().__init__()
+            self.flops, self.config = flops, type("Config", (), {"vocab_size": 100})()
+
+        def flops_per_token(self, seq_len: float) -> float:
+            return self.flops
+
+    for flops, tokens in ((22e6, 1024), (cpu.PROBE_FLOPS / 256, 256), (1.2e9, 64)):
+        ids, positions, cu = cpu.probe_pack(Model(flops))
+        assert ids.shape == positions.shape == (tokens,) and int(ids.max()) < 100
+        assert cu.tolist() == list(range(0, tokens + 1, cpu.PROBE_SEQ_LEN)) and cu.dtype == torch.int32
+        assert positions[:cpu.PROBE_SEQ_LEN].tolist() == list(range(cpu.PROBE_SEQ_LEN))
 
 
 def test_runtime_cpu_linears_pins_the_library_without_measuring(monkeypatch):
-    """The default (onednn) and torch never measure: every worker of a run computes the same bits."""
+    """onednn and torch never measure: a job that pins one computes the same bits on every worker, whatever each
+    machine would measure (the default, auto, measures)."""
     from embedpipe.config import RuntimeConfig
     from embedpipe.runtime import cpu
 
-    assert RuntimeConfig().cpu_linears == "onednn"
-    monkeypatch.setattr(cpu, "linear_timings", lambda *a, **k: pytest.fail("measured"))
+    assert RuntimeConfig().cpu_linears == "auto"
+    monkeypatch.setattr(cpu, "forward_timings", lambda *a, **k: pytest.fail("measured"))
     model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 384)).eval()
     assert cpu.place_linears(model, choice="torch") == "torch" and type(model[0]) is nn.Linear
     want = "onednn" if cpu.onednn_linear_works(torch.float32) else "torch"

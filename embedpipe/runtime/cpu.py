@@ -156,22 +156,32 @@ def padded_rows(n: int) -> int:
 
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # float16 has no fast path on these CPUs: left to torch
-PROBE_ROWS, PROBE_REPEATS = 1024, 3  # the measured choice: a 1,024-token slice per linear shape, best of 3
 
 
 def use_onednn_linears(model: nn.Module) -> int:
     """Swap every float32 / bfloat16 nn.Linear under ``model`` for a OneDNNLinear when torch has the op and it
     agrees with F.linear on a probe in that dtype (bfloat16 needs a CPU oneDNN has a bf16 kernel for: an
     AVX2-only CPU has none); returns how many were swapped (0: left as it was)."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.dtype in ONEDNN_DTYPES and child.weight.device.type == "cpu"
-                    and onednn_linear_works(child.weight.dtype)):
-                setattr(parent, name, OneDNNLinear(child))
-                swapped += 1
-    log.info("CPU matmuls through oneDNN: %d linear layers", swapped)
-    return swapped
+    twins = _onednn_twins(model)
+    _place(twins, library="onednn")
+    log.info("CPU matmuls through oneDNN: %d linear layers", len(twins))
+    return len(twins)
+
+
+Twin = tuple[nn.Module, str, nn.Linear, "OneDNNLinear"]  # (parent, attribute, torch's linear, its oneDNN twin)
+
+
+def _onednn_twins(model: nn.Module) -> list[Twin]:
+    """Every linear under ``model`` that oneDNN can run, with its OneDNNLinear (sharing its parameters)."""
+    return [(parent, name, child, OneDNNLinear(child))
+            for parent in list(model.modules()) for name, child in list(parent.named_children())
+            if type(child) is nn.Linear and child.weight.dtype in ONEDNN_DTYPES and child.weight.device.type == "cpu"
+            and onednn_linear_works(child.weight.dtype)]
+
+
+def _place(twins: list[Twin], *, library: str) -> None:
+    for parent, name, linear, twin in twins:
+        setattr(parent, name, twin if library == "onednn" else linear)
 
 
 def place_linears(model: nn.Module, *, choice: str) -> str:
@@ -186,29 +196,37 @@ def place_linears(model: nn.Module, *, choice: str) -> str:
 
 def choose_linears(model: nn.Module) -> str:
     """Put ``model``'s CPU linears on the faster GEMM library here, measured (not assumed by CPU vendor): "onednn"
-    (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL or its BLAS). oneDNN stays unless torch
-    measures faster by TORCH_MARGIN, and the answer is cached per machine (``cpu_linears.json`` in the
-    embedpipe cache), so every worker of a machine makes the same choice and computes the same bits."""
-    shapes = sorted({(m.in_features, m.out_features, m.weight.dtype) for m in model.modules()
-                     if type(m) is nn.Linear and m.weight.device.type == "cpu"}, key=lambda s: (s[:2], str(s[2])))
-    if not shapes:
+    (swapped, see use_onednn_linears) or "torch" (left to torch's own: MKL or its BLAS). The probe is the model's
+    own forward (forward_timings), so it weighs what the model runs: oneDNN's fused post-ops, GELU and the residual
+    add, included. oneDNN stays unless torch's forward measures faster by TORCH_MARGIN, and the answer is cached
+    per machine, model shape and dtype (``cpu_linears.json`` in the embedpipe cache; whatever the thread count of
+    the process that measured), so every worker of a machine makes the same choice and computes the same bits.
+    Where oneDNN cannot run the model's dtype (bfloat16 on AVX2), nothing is timed."""
+    twins = _onednn_twins(model)
+    if not twins:
         return "torch"
-    dtype, threads = shapes[0][2], torch.get_num_threads()
-    dims = tuple((i, o) for i, o, d in shapes if d == dtype)
-    key = f"{socket.gethostname()}|{dtype}|threads={threads}|{dims}|torch={torch.__version__}"
-    choice = _cached_choice(key, lambda: _faster(linear_timings(dims, dtype=dtype, threads=threads)))
-    if choice == "onednn":
-        use_onednn_linears(model)
+    dtype, threads = twins[0][2].weight.dtype, torch.get_num_threads()
+    dims = tuple(sorted({(linear.in_features, linear.out_features) for _, _, linear, _ in twins}))
+    key = f"{socket.gethostname()}|{type(model).__name__}|{dtype}|{dims}|torch={torch.__version__}"
+    choice = _cached_choice(key, lambda: _faster(forward_timings(model, twins)))
+    _place(twins, library=choice)
     log.info("CPU linears (%s, %d threads): %s", dtype, threads, choice)
     return choice
 
 
-TORCH_MARGIN = 1.25  # torch's GEMMs replace oneDNN's only when oneDNN takes 25% longer: noise never flips it
+# torch's GEMMs replace oneDNN's only when the model's forward on oneDNN takes 10% longer. MiniLM fp32 on 2 cores of
+# an AVX2-only AMD EPYC (Zen 3): oneDNN's forward 1.20-1.22x torch's (MKL's AVX2 sgemm 180 GFLOP/s against oneDNN's
+# 161, and oneDNN's GELU post-op at 109), end to end 1.20x; on AVX-512 CPUs oneDNN wins by far (Zen 5: 287-490
+# GFLOP/s against MKL's 170-218), so neither is near the line (docs/performance.md, 2026-12-05)
+TORCH_MARGIN = 1.10
+PROBE_REPEATS = 3  # timed forwards per library, best kept, after one that warms up (primitives, packing, pages)
+PROBE_SEQ_LEN, PROBE_TOKENS = 64, 1024  # the probe's pack: 64-token sequences (a paragraph), 1,024 tokens at most
+PROBE_FLOPS = 25e9  # fewer tokens (down to one sequence) where a forward would cost more: a large model's probe
 
 
 def _faster(timings: dict[str, float]) -> str:
     choice = "torch" if timings["onednn"] > TORCH_MARGIN * timings["torch"] else "onednn"
-    log.info("CPU linears measured, ms per probe: oneDNN %.1f, torch %.1f -> %s", timings["onednn"] * 1e3,
+    log.info("CPU linears measured, ms per forward: oneDNN %.1f, torch %.1f -> %s", timings["onednn"] * 1e3,
              timings["torch"] * 1e3, choice)
     return choice
 
@@ -236,25 +254,32 @@ def _cached_choice(key: str, measure) -> str:
     return table[key]
 
 
-@functools.cache
-def linear_timings(shapes: tuple[tuple[int, int], ...], *, dtype: torch.dtype, threads: int) -> dict[str, float]:
-    """Best-of-PROBE_REPEATS seconds for every (in, out) shape at PROBE_ROWS rows, on oneDNN (inf when it cannot
-    run ``dtype`` here) and on torch's F.linear, interleaved; once per process for a model's shapes."""
+def probe_pack(model: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    """The probe's packed batch for ``model``: token ids, positions and cu_seqlens ([T], [T], [n + 1]) of n
+    PROBE_SEQ_LEN-token sequences, T at most PROBE_TOKENS and at most PROBE_FLOPS of forward (at least one)."""
+    per_sequence = model.flops_per_token(PROBE_SEQ_LEN) * PROBE_SEQ_LEN
+    n = max(1, min(PROBE_TOKENS // PROBE_SEQ_LEN, int(PROBE_FLOPS // per_sequence)))
+    tokens = n * PROBE_SEQ_LEN
     g = torch.Generator().manual_seed(0)
-    probes = [(torch.randn(PROBE_ROWS, i, generator=g).to(dtype), torch.randn(o, i, generator=g).to(dtype),
-               torch.randn(o, generator=g).to(dtype)) for i, o in shapes]
-    runs = {"torch": lambda x, w, b: F.linear(x, w, b)}
-    if onednn_linear_works(dtype):
-        runs["onednn"] = lambda x, w, b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    best = {name: float("inf") for name in ("onednn", "torch")}
-    with torch.no_grad():
-        for rep in range(PROBE_REPEATS + 1):  # pass 0 warms up (primitive creation, page faults)
-            for name, run in runs.items():
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), generator=g)  # [T]
+    positions = torch.arange(PROBE_SEQ_LEN).repeat(n)  # [T]
+    return ids, positions, torch.arange(0, tokens + 1, PROBE_SEQ_LEN, dtype=torch.int32)  # [n + 1]
+
+
+def forward_timings(model: nn.Module, twins: list[Twin]) -> dict[str, float]:
+    """Best-of-PROBE_REPEATS seconds of ``model``'s forward on probe_pack's batch with its linears on oneDNN (the
+    ``twins``) and on torch's, interleaved; the model is left on torch's."""
+    ids, positions, cu = probe_pack(model)
+    best = {"onednn": float("inf"), "torch": float("inf")}
+    with torch.inference_mode():
+        for rep in range(PROBE_REPEATS + 1):  # pass 0 warms up (primitive creation, weight packing, page faults)
+            for library in best:
+                _place(twins, library=library)
                 began = time.perf_counter()
-                for x, w, b in probes:
-                    run(x, w, b)
+                model(ids, positions, cu, PROBE_SEQ_LEN)
                 if rep:
-                    best[name] = min(best[name], time.perf_counter() - began)
+                    best[library] = min(best[library], time.perf_counter() - began)
+    _place(twins, library="torch")
     return best
 
 
