@@ -58,6 +58,9 @@ def test_report_json_matches_counts_recomputed_from_the_output(run, minilm_dir):
     assert report["flops_per_token"] == pytest.approx(fpt, rel=1e-9)
     device = report["device"]
     assert device["kind"] == "cpu" and device["count"] == 2 and device["threads"] == 1 and device["peak_flops"] > 0
+    # runtime.cpu_linears auto: the library the machine measured faster, the same for every worker of one machine
+    assert device["linears"] in ("onednn", "torch")
+    assert [w["linears"] for w in report["per_worker"]] == [device["linears"]] * 2
     mfu = fpt * report["tokens"] / report["wall_seconds"] / device["peak_flops_total"]
     assert report["mfu"] == pytest.approx(mfu, rel=1e-3) and 0 < report["mfu"] < 1
     assert 0 < report["busy_fraction"] <= 1 and 0 < report["scaling_efficiency"] <= 1
@@ -83,6 +86,8 @@ def test_printed_table_markdown_and_json_agree(run):
     for label, value in want.items():
         assert _value(printed, label) == _value(md, label) == value, label
     assert f"{report['rows']:,}" == _value(md, "rows") and "report.png" in printed
+    library = {"onednn": "oneDNN linears", "torch": "torch's linears"}[report["device"]["linears"]]
+    assert _value(printed, "device") == _value(md, "device") == f"2 x {report['device']['name']} (float32, 1 thread each, {library})"
     line = headline(report)
     assert line in md.splitlines() and "300 rows" in line
     assert build_figure(report)._suptitle.get_text() == line

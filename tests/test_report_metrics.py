@@ -63,7 +63,27 @@ def test_mfu_by_hand():
     assert m["encode_mfu"] == pytest.approx(fpt * 14_000 / (11.4 * 1e10), abs=1e-6)
     assert m["per_worker"][0]["mfu"] == pytest.approx(fpt * 1000 / 1e10, abs=1e-6)
     assert m["device"] == {"kind": "cpu", "name": "Test CPU", "count": 2, "threads": 2, "hosts": 1,
-                           "dtype": "float32", "peak_flops": 1e10, "peak_flops_total": 2e10}
+                           "dtype": "float32", "peak_flops": 1e10, "peak_flops_total": 2e10, "linears": None}
+
+
+def test_the_linears_library_of_each_worker_and_of_the_run():
+    from dataclasses import replace
+
+    from embedpipe.report.render import render_table
+    from tests.report_helpers import sample_report
+    from tests.test_report_render import _value
+
+    def device_row(metrics: dict) -> str:
+        return _value(render_table({**sample_report(), "device": metrics["device"]}), "device")
+
+    onednn, torch_ = replace(CPU, linears="onednn"), replace(CPU, linears="torch")
+    m = _metrics(SPANS, devices=[onednn, torch_])
+    assert [w["linears"] for w in m["per_worker"]] == ["onednn", "torch"]
+    assert m["device"]["linears"] == "onednn + torch"  # machines that measured differently: both named
+    assert device_row(m) == "2 x Test CPU (float32, 2 threads each, oneDNN linears + torch's linears)"
+    same = _metrics(SPANS, devices=[onednn, onednn])
+    assert same["device"]["linears"] == "onednn"
+    assert device_row(same) == "2 x Test CPU (float32, 2 threads each, oneDNN linears)"
 
 
 def test_cost_of_two_cpu_workers_by_hand():

@@ -92,7 +92,8 @@ class EmbedWorker:
         from embedpipe.report.device import describe_device
 
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
-        self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,)).to_dict()
+        self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,),
+                                      linears=self.encoder.linears).to_dict()
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
         """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)

@@ -39,6 +39,7 @@ class DeviceInfo:
     threads: int = 1  # torch intra-op threads of the worker
     host: str = ""
     peak_flops: dict[str, float] = field(default_factory=dict)  # dtype -> measured FLOP/s of this worker's devices
+    linears: str = ""  # CPU: the GEMM library its linear layers ran on, "onednn" or "torch" (runtime.cpu_linears)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,9 +60,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), probe: bool = True) -> DeviceInfo:
+def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), probe: bool = True,
+                    linears: str = "") -> DeviceInfo:
     """Name this process's device ("cpu" or "cuda") and its measured peak FLOP/s per dtype (model.dtype values:
-    "auto" is probed as what it resolves to on this device, and keyed by that name)."""
+    "auto" is probed as what it resolves to on this device, and keyed by that name); ``linears``: the encoder's
+    CPU GEMM library (Encoder.linears), reported as it is."""
     import torch
 
     from embedpipe.config import resolve_dtype
@@ -72,7 +75,7 @@ def describe_device(device: str, *, dtypes: tuple[str, ...] = ("float32",), prob
     else:
         name, count = cpu_model(), 1
     info = DeviceInfo(kind="cuda" if device == "cuda" else "cpu", name=name, count=count,
-                      threads=threads, host=socket.gethostname())
+                      threads=threads, host=socket.gethostname(), linears=linears)
     if not probe:
         return info
     try:

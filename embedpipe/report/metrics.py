@@ -134,6 +134,7 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
         "host": device.host,
         "node": " + ".join(dict.fromkeys(s.node for s in sorted(spans, key=lambda s: s.started) if s.node)) or None,
         "device": device.name,
+        "linears": device.linears or None,
         "units": len(spans),
         "rows": c.rows,
         "tokens": c.tokens,
@@ -151,7 +152,7 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
 def _device_section(devices: list[DeviceInfo], dtype: str) -> dict:
     if not devices:
         return {"kind": None, "name": None, "count": 0, "threads": None, "dtype": dtype, "peak_flops": None,
-                "peak_flops_total": None}
+                "peak_flops_total": None, "linears": None}
     count = sum(d.count for d in devices)
     total = sum(_peak(d, dtype) for d in devices)
     resolved = {resolve_dtype(dtype, device=d.kind) for d in devices}
@@ -164,6 +165,7 @@ def _device_section(devices: list[DeviceInfo], dtype: str) -> dict:
         "dtype": resolved.pop() if len(resolved) == 1 else dtype,  # model.dtype auto: what the workers ran
         "peak_flops": total / count if total else None,  # per device, measured
         "peak_flops_total": total or None,
+        "linears": " + ".join(dict.fromkeys(d.linears for d in devices if d.linears)) or None,  # CPU GEMM library
     }
 
 

@@ -85,13 +85,18 @@ def _dig(*keys: str) -> Callable[[dict], Any]:
     return get
 
 
+# runtime.cpu_linears' outcomes (device.linears) as the report names them
+LINEARS_TEXT = {"onednn": "oneDNN linears", "torch": "torch's linears"}
+
+
 def _device_text(r: dict) -> str | None:
     d = r.get("device") or {}
     if not d.get("name"):
         return None
     n = d.get("threads") or 0
     threads = f", {n} thread{'s' if n != 1 else ''} each" if d.get("kind") == "cpu" else ""
-    return f"{d['count']} x {d['name']} ({d.get('dtype', '?')}{threads})"
+    linears = " + ".join(LINEARS_TEXT.get(x, x) for x in (d.get("linears") or "").split(" + ") if x)
+    return f"{d['count']} x {d['name']} ({d.get('dtype', '?')}{threads}{', ' + linears if linears else ''})"
 
 
 def _price_text(r: dict) -> str | None:

@@ -62,8 +62,9 @@ class Encoder:
         self.loaded = load_model(self.model_dir, dtype=DTYPES[self.dtype], device=self.device,
                                  attention_backend=runtime.attention, allow_pickle=model.allow_pickle)
         rows_for = None  # the CPU runner's row padding: one per forward instead of a copy in every linear
+        self.linears = ""  # the CPU linears' GEMM library, "onednn" or "torch" (the report's device.linears)
         if self.device == "cpu":
-            linears = place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime.cpu_linears (runtime/cpu.py)
+            self.linears = linears = place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime/cpu.py
             if linears == "onednn" and getattr(self.loaded.model, "attention_backend", None) in PADDED_ROWS:
                 rows_for = padded_rows
         spec = self.loaded.spec
