@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from embedpipe.runtime.cpu import OneDNNLinear, keep_freed_memory, use_onednn_linears
@@ -109,6 +110,36 @@ def test_the_probe_pack_shrinks_for_a_costly_model():
         assert ids.shape == positions.shape == (tokens,) and int(ids.max()) < 100
         assert cu.tolist() == list(range(0, tokens + 1, cpu.PROBE_SEQ_LEN)) and cu.dtype == torch.int32
         assert positions[:cpu.PROBE_SEQ_LEN].tolist() == list(range(cpu.PROBE_SEQ_LEN))
+
+
+def test_the_forward_probe_stops_after_one_timed_round_when_the_ratio_is_clear(monkeypatch):
+    """A warm-up round, then timed rounds of both libraries: one when its oneDNN / torch ratio lies outside CLEAR,
+    PROBE_REPEATS otherwise; the model is left on torch's linears either way."""
+    from embedpipe.runtime import cpu
+
+    if not cpu.onednn_linear_works(torch.float32):
+        pytest.skip("oneDNN's linear does not run on this CPU: nothing to time")
+
+    class Model(nn.Module):  # the probe's interface: forward(ids, positions, cu_seqlens, max_seqlen), FLOPs, vocab
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {"vocab_size": 100})()
+            self.embed, self.up, self.down = nn.Embedding(100, 64), nn.Linear(64, 256), nn.Linear(256, 64)
+            self.calls = 0
+
+        def flops_per_token(self, seq_len: float) -> float:
+            return 4 * 64 * 256
+
+        def forward(self, ids, positions, cu_seqlens, max_seqlen):
+            self.calls += 1
+            return self.down(F.gelu(self.up(self.embed(ids))))  # [T, 64]
+
+    for clear, rounds in (((float("inf"), float("inf")), 1), ((0.0, float("inf")), cpu.PROBE_REPEATS)):
+        monkeypatch.setattr(cpu, "CLEAR", clear)
+        model = Model().eval()
+        timings = cpu.forward_timings(model, cpu._onednn_twins(model))
+        assert model.calls == 2 * (1 + rounds) and 0 < timings["onednn"] < 1 and 0 < timings["torch"] < 1
+        assert type(model.up) is nn.Linear and type(model.down) is nn.Linear
 
 
 def test_runtime_cpu_linears_pins_the_library_without_measuring(monkeypatch):

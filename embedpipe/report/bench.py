@@ -23,7 +23,7 @@ from torch import nn
 from embedpipe.models import build_head, load_state_dict_into, model_class
 from embedpipe.models.head import EmbeddingHead
 from embedpipe.models.st import STSpec
-from embedpipe.report.device import PROBE_SECONDS, PROBE_SIZES, measure_peak_flops
+from embedpipe.report.device import PROBE_SIZES, measure_peak_flops
 from embedpipe.report.flops import flops_per_token_from_config
 from embedpipe.runtime.buckets import Bucketer
 from embedpipe.runtime.graphs import CudaGraphs, EagerGraphs, GraphCache
@@ -34,9 +34,9 @@ BENCH_RUNTIME = RuntimeConfig(max_graphs=64, graph_memory_mb=16 << 10)  # room f
 
 
 def matmul_peak(device: str, dtype: str, *, sizes: tuple[int, ...] | None = None,
-                seconds: float = PROBE_SECONDS) -> float:
+                seconds: float | None = None) -> float:
     """Measured matmul FLOP/s of this device in `dtype` ("float32", "bfloat16"): the best over
-    `sizes` (default: the report's probe sizes for the device kind)."""
+    `sizes` and ``seconds`` of repeats (default: the report's probe sizes and seconds for the device kind)."""
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     return max(measure_peak_flops(kind, dtype, size=n, seconds=seconds) for n in sizes or PROBE_SIZES[kind])
 

@@ -219,7 +219,11 @@ def choose_linears(model: nn.Module) -> str:
 # 161, and oneDNN's GELU post-op at 109), end to end 1.20x; on AVX-512 CPUs oneDNN wins by far (Zen 5: 287-490
 # GFLOP/s against MKL's 170-218), so neither is near the line (docs/performance.md, 2026-12-05)
 TORCH_MARGIN = 1.10
-PROBE_REPEATS = 3  # timed forwards per library, best kept, after one that warms up (primitives, packing, pages)
+PROBE_REPEATS = 3  # timed forwards per library at most, best kept, after one that warms up (primitives, packing, pages)
+# after the first timed round, a oneDNN / torch ratio outside CLEAR decides without the other rounds: no slower, or
+# slower by 20 %, is far enough from TORCH_MARGIN that a 4 % spread cannot cross it (MiniLM fp32 with one thread on a
+# Zen 4: 0.89-0.92, every round within 4 % of its best; Zen 3: 1.20-1.25). Saves a machine's first run ~1 s
+CLEAR = (1.0, 1.2)
 PROBE_SEQ_LEN, PROBE_TOKENS = 64, 1024  # the probe's pack: 64-token sequences (a paragraph), 1,024 tokens at most
 PROBE_FLOPS = 25e9  # fewer tokens (down to one sequence) where a forward would cost more: a large model's probe
 
@@ -268,7 +272,8 @@ def probe_pack(model: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
 
 def forward_timings(model: nn.Module, twins: list[Twin]) -> dict[str, float]:
     """Best-of-PROBE_REPEATS seconds of ``model``'s forward on probe_pack's batch with its linears on oneDNN (the
-    ``twins``) and on torch's, interleaved; the model is left on torch's."""
+    ``twins``) and on torch's, interleaved (one timed round where its ratio is outside CLEAR); the model is left on
+    torch's."""
     ids, positions, cu = probe_pack(model)
     best = {"onednn": float("inf"), "torch": float("inf")}
     with torch.inference_mode():
@@ -279,6 +284,8 @@ def forward_timings(model: nn.Module, twins: list[Twin]) -> dict[str, float]:
                 model(ids, positions, cu, PROBE_SEQ_LEN)
                 if rep:
                     best[library] = min(best[library], time.perf_counter() - began)
+            if rep == 1 and not CLEAR[0] <= best["onednn"] / best["torch"] <= CLEAR[1]:
+                break
     _place(twins, library="torch")
     return best
 
