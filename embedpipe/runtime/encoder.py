@@ -64,8 +64,8 @@ class Encoder:
         rows_for = None  # the CPU runner's row padding: one per forward instead of a copy in every linear
         self.linears = ""  # the CPU linears' GEMM library, "onednn" or "torch" (the report's device.linears)
         if self.device == "cpu":
-            self.linears = linears = place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime/cpu.py
-            if linears == "onednn" and getattr(self.loaded.model, "attention_backend", None) in PADDED_ROWS:
+            self.linears = place_linears(self.loaded.model, choice=runtime.cpu_linears)  # runtime/cpu.py
+            if self.linears == "onednn" and getattr(self.loaded.model, "attention_backend", None) in PADDED_ROWS:
                 rows_for = padded_rows
         spec = self.loaded.spec
         self.prompt = resolve_prompt(spec, prompt=model.prompt, prompt_name=model.prompt_name)
