@@ -5,6 +5,8 @@ attention's share of a whole step, and the linears alone for the same tokens.
 
 Prints, interleaved and best of ``--repeats``:
   - each CPU attention backend (kernels/cpu.py) over one layer of every batch, and its max error vs `reference`;
+    with ``--bands``, `grouped` at other length bands; with ``--flex``, torch's compiled flex_attention beside them
+    (its compile and block-mask times apart);
   - `grouped`'s SDPA calls in that layer pass, by their group's padded length: calls, seconds, GFLOP/s;
   - the whole embed as shipped, and with the attention replaced by a copy of q (the step without attention:
     not a model, a measurement);
@@ -33,6 +35,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=3, help="timed passes (best kept), interleaved")
     p.add_argument("--iters", type=int, default=10, help="attention-only passes (best kept)")
+    p.add_argument("--flex", action="store_true",
+                   help="also time torch's flex_attention, compiled (inductor's CPU template), on each batch's "
+                        "packed tokens with a document mask: not a backend of the package, a measured alternative")
+    p.add_argument("--flex-block", type=int, default=128, help="flex_attention's block size (its default 128)")
+    p.add_argument("--bands", default="",
+                   help="comma-separated length bands to time `grouped` at besides its own (kernels/cpu.py SDPA_BAND)")
     return p.parse_args()
 
 
@@ -45,6 +53,44 @@ def best_of(runs: dict, *, repeats: int) -> dict[str, float]:
             run()
             best[name] = min(best[name], time.perf_counter() - began)
     return best
+
+
+def banded_pass(inputs: list, *, band: int):
+    """A callable running `grouped` on every batch with its length groups planned at ``band`` (plans made once)."""
+    attention = importlib.import_module("embedpipe.kernels.attention")
+    plans = [attention.plan_groups(cu, band=band) for _, _, _, cu, _, _ in inputs]
+    grouped = attention.BACKENDS["grouped"]
+    return lambda: [grouped(q, k, v, cu_seqlens=cu, max_seqlen=m, causal=False, window=None, scale=None, plan=plan)
+                    for (q, k, v, cu, m, _), plan in zip(inputs, plans)]
+
+
+def flex_pass(inputs: list, *, block: int):
+    """A callable running torch's flex_attention (compiled, dynamic shapes) on every batch's packed [1, H, T, D]
+    tokens, a document mask keeping each token within its sequence; returns each batch's [T, H, D]. Its compile and
+    its block masks (built once per batch, as a model would per forward) are timed and printed, not in the pass."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=True)
+    began = time.perf_counter()
+    masks = []
+    for q, _, _, cu, _, _ in inputs:
+        T = q.shape[0]
+        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long(), output_size=T)  # [T]
+        masks.append(create_block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], None, None, T, T, device="cpu",
+                                       BLOCK_SIZE=block))
+    built = time.perf_counter() - began
+
+    def run() -> list:
+        return [compiled(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=m)[0].transpose(0, 1)
+                for (q, k, v, *_), m in zip(inputs, masks)]  # [T, H, D] each
+
+    began = time.perf_counter()
+    with torch.no_grad():
+        run()
+    print(f"flex_attention (block {block}): block masks {built:.2f} s for {len(inputs)} batches; first pass, "
+          f"compile included, {time.perf_counter() - began:.1f} s")
+    return run
 
 
 def main() -> int:
@@ -87,12 +133,17 @@ def main() -> int:
 
     with torch.no_grad():
         ref = layer_pass("reference")
-        errors = {name: max((o.float() - r.float()).abs().max().item() for o, r in zip(layer_pass(name), ref))
-                  for name in BACKENDS}
-        alone = best_of({name: (lambda name=name: layer_pass(name)) for name in BACKENDS}, repeats=args.iters)
+        runs = {name: (lambda name=name: layer_pass(name)) for name in BACKENDS}
+        for band in (int(b) for b in args.bands.split(",") if b):
+            runs[f"grouped, band {band}"] = banded_pass(inputs, band=band)
+        if args.flex:
+            runs["flex (compiled)"] = flex_pass(inputs, block=args.flex_block)
+        errors = {name: max((o.float() - r.float()).abs().max().item() for o, r in zip(run(), ref))
+                  for name, run in runs.items()}
+        alone = best_of(runs, repeats=args.iters)
     print("\n| attention backend | one layer, every batch | per token per layer | max error vs reference |")
     print("| --- | ---: | ---: | ---: |")
-    for name in BACKENDS:
+    for name in runs:
         print(f"| {name}{' (shipped)' if name == shipped else ''} | {alone[name] * 1e3:.1f} ms | "
               f"{alone[name] * 1e6 / tokens:.2f} us | {errors[name]:.1e} |")
 
