@@ -67,6 +67,21 @@ def ray_head_with_jobs(tmp_path):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+# Ray's job server answers this (HTTP 500) when the head's dashboard agent has not registered within its 10 s
+# (ray.dashboard.consts.WAIT_AVAILABLE_AGENT_TIMEOUT); on two loaded cores the agent can come up after the job server
+NO_AGENT_YET = "No available agent to submit job, please try again later"
+
+
+def _submit(cmd: list[str], *, env: dict, cwd: Path, within_s: float = 120) -> subprocess.CompletedProcess:
+    """`ray job submit`, submitted again while the head's job agent is still starting (no job is made then)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        submit = subprocess.run(cmd, capture_output=True, text=True, timeout=480, env=env, cwd=cwd)
+        if NO_AGENT_YET not in submit.stdout + submit.stderr or time.monotonic() > deadline:
+            return submit
+        time.sleep(2)
+
+
 @pytest.mark.slow
 def test_ray_job_submit_runs_the_job_on_the_cluster(tmp_path, ray_head_with_jobs, quickstart_table):
     address, env = ray_head_with_jobs
@@ -77,9 +92,8 @@ def test_ray_job_submit_runs_the_job_on_the_cluster(tmp_path, ray_head_with_jobs
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"}, batching={"max_tokens": 4096},
                     output={"path": str(out)}, cluster={"workers": 1, "cpus_per_worker": 1})  # no address
 
-    submit = subprocess.run([str(BIN / "ray"), "job", "submit", "--address", address, "--",
-                             "embedpipe", "run", str(job), "--no-progress"],
-                            capture_output=True, text=True, timeout=480, env=env, cwd=tmp_path)
+    submit = _submit([str(BIN / "ray"), "job", "submit", "--address", address, "--", "embedpipe", "run", str(job),
+                      "--no-progress"], env=env, cwd=tmp_path)
     assert submit.returncode == 0 and "succeeded" in submit.stdout + submit.stderr, submit.stdout + submit.stderr
 
     ids = ds.dataset(out / "vectors", format="parquet").to_table()["id"].to_pylist()
