@@ -55,15 +55,6 @@ def best_of(runs: dict, *, repeats: int) -> dict[str, float]:
     return best
 
 
-def banded_pass(inputs: list, *, band: int):
-    """A callable running `grouped` on every batch with its length groups planned at ``band`` (plans made once)."""
-    attention = importlib.import_module("embedpipe.kernels.attention")
-    plans = [attention.plan_groups(cu, band=band) for _, _, _, cu, _, _ in inputs]
-    grouped = attention.BACKENDS["grouped"]
-    return lambda: [grouped(q, k, v, cu_seqlens=cu, max_seqlen=m, causal=False, window=None, scale=None, plan=plan)
-                    for (q, k, v, cu, m, _), plan in zip(inputs, plans)]
-
-
 def flex_pass(inputs: list, *, block: int):
     """A callable running torch's flex_attention (compiled, dynamic shapes) on every batch's packed [1, H, T, D]
     tokens, a document mask keeping each token within its sequence; returns each batch's [T, H, D]. Its compile and
@@ -71,12 +62,14 @@ def flex_pass(inputs: list, *, block: int):
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from embedpipe.kernels.cpu import segments
+
     compiled = torch.compile(flex_attention, dynamic=True)
     began = time.perf_counter()
     masks = []
     for q, _, _, cu, _, _ in inputs:
         T = q.shape[0]
-        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long(), output_size=T)  # [T]
+        doc, _ = segments(cu.long(), T)  # [T] each token's sequence
         masks.append(create_block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], None, None, T, T, device="cpu",
                                        BLOCK_SIZE=block))
     built = time.perf_counter() - began
@@ -119,23 +112,24 @@ def main() -> int:
 
     # 1. attention alone: one layer's call on every batch, random q/k/v as views of one fused projection
     g = torch.Generator().manual_seed(args.seed)
-    inputs = []
+    inputs, bands = [], [int(b) for b in args.bands.split(",") if b]
     for b in batches:
         qkv = torch.randn(b.num_tokens, 3 * H * D, generator=g).to(dtype)  # [T, 3 H D]
         q, k, v = qkv.view(b.num_tokens, 3, H, D).unbind(1)  # 3 x [T, H, D]
         plans = {name: attention.plan_attention(b.cu_seqlens, backend=name) for name in BACKENDS}  # once per batch
+        plans |= {f"band {band}": attention.plan_groups(b.cu_seqlens, band=band) for band in bands}  # --bands
         inputs.append((q, k, v, b.cu_seqlens, b.max_seqlen, plans))
 
-    def layer_pass(name: str) -> list:
+    def layer_pass(name: str, plan: str | None = None) -> list:  # backend `name` on its own plan or on `plan`'s
         fn = attention.BACKENDS[name]
         return [fn(q, k, v, cu_seqlens=cu, max_seqlen=m, causal=False, window=None, scale=None,
-                   plan=plans.get(name)) for q, k, v, cu, m, plans in inputs]
+                   plan=plans.get(plan or name)) for q, k, v, cu, m, plans in inputs]
 
     with torch.no_grad():
         ref = layer_pass("reference")
         runs = {name: (lambda name=name: layer_pass(name)) for name in BACKENDS}
-        for band in (int(b) for b in args.bands.split(",") if b):
-            runs[f"grouped, band {band}"] = banded_pass(inputs, band=band)
+        for band in bands:
+            runs[f"grouped, band {band}"] = lambda band=band: layer_pass("grouped", f"band {band}")
         if args.flex:
             runs["flex (compiled)"] = flex_pass(inputs, block=args.flex_block)
         errors = {name: max((o.float() - r.float()).abs().max().item() for o, r in zip(run(), ref))
