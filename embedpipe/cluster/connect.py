@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,42 @@ def connect(cfg: ClusterConfig) -> bool:
     with _keep_signal_handlers():
         _init(cfg)
     return True
+
+
+def disconnect(started: bool) -> None:
+    """Shut Ray down when ``connect`` started it (the embedded local Ray); a joined cluster is left as it is.
+
+    Ray's shutdown stops its processes one by one, each given 1 s to exit on SIGTERM before a SIGKILL. It stops the
+    GCS before the autoscaler's monitor, whose SIGTERM handler then reports its "failure" to that GCS and waits on
+    it until the SIGKILL comes: 1 s of every embedded run's wall (Ray 2.60; docs/performance.md, session 22). The
+    monitor has nothing to scale on one machine, so it is sent the SIGKILL first, while the rest of the shutdown
+    stays Ray's own (SIGTERM first, the raylet reaping its workers)."""
+    if not started:
+        return
+    _kill_autoscaler_monitor()
+    ray.shutdown()
+
+
+def _kill_autoscaler_monitor() -> int:
+    """SIGKILL the embedded Ray's autoscaler monitor; returns how many such processes were killed (0 when this
+    Ray's node table has none, or lays it out otherwise: then ray.shutdown takes its 1 s as before)."""
+    try:
+        from ray._private import ray_constants, worker
+
+        infos = worker._global_node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, [])
+    except (ImportError, AttributeError):  # no node of this process's own, or another Ray's internals
+        return 0
+    killed = 0
+    for info in infos:
+        process = info.process
+        if process.poll() is None:
+            process.kill()
+            try:
+                process.wait(timeout=1)  # reaped here: ray.shutdown skips a process that has exited
+            except subprocess.TimeoutExpired:  # stuck in the kernel: ray.shutdown waits on it as it always did
+                pass
+            killed += 1
+    return killed
 
 
 @contextmanager

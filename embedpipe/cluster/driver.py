@@ -20,7 +20,8 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.connect import connect, expected_workers, local_gpus, plan_workers, submitted_job_address
+from embedpipe.cluster.connect import (connect, disconnect, expected_workers, local_gpus, plan_workers,
+                                       submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.scheduler import Liveness, Scheduler
@@ -257,8 +258,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             # while Ray is up: sample, train, add (shards on this Ray's workers), merge, recall
             index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
         finally:
-            if started_ray:
-                ray.shutdown()
+            disconnect(started_ray)
     else:
         record = read_record(output) or {}  # the calibration of the finished run, for its record
         calibration = Calibration(**record["calibration"]) if "calibration" in record else None
@@ -325,8 +325,7 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
     try:
         return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster)))
     finally:
-        if started_ray:
-            ray.shutdown()
+        disconnect(started_ray)
 
 
 def _finish_parts(manifest: Manifest, units: list[Unit]) -> dict[str, dict]:

@@ -1,0 +1,66 @@
+"""The embedded local Ray: started by connect, stopped by disconnect (its own process: the session's Ray stays up)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STOP = """
+import json, time
+import ray
+from ray._private import ray_constants, worker
+from embedpipe.cluster.connect import connect, disconnect
+from embedpipe.config import ClusterConfig
+
+@ray.remote(num_cpus=1)
+class Echo:
+    def ping(self):
+        return "pong"
+
+assert connect(ClusterConfig()), "connect started no Ray of its own"
+assert ray.get(Echo.remote().ping.remote(), timeout=60) == "pong"
+node = worker._global_node
+processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
+monitor = processes[ray_constants.PROCESS_TYPE_MONITOR][0]
+seen = {"monitor alive before": monitor.poll() is None}
+shutdown = ray.shutdown
+
+def watched_shutdown(*args, **kwargs):  # what Ray's own shutdown finds when it starts
+    seen["monitor exit code at ray.shutdown"] = monitor.poll()
+    return shutdown(*args, **kwargs)
+
+ray.shutdown = watched_shutdown
+began = time.perf_counter()
+disconnect(True)
+seen["seconds"] = round(time.perf_counter() - began, 3)
+seen["ray up after"] = ray.is_initialized()
+seen["alive after"] = sorted(kind for kind, ps in processes.items() for p in ps if p.poll() is None)
+print("RESULT " + json.dumps(seen))
+"""
+
+
+def test_disconnect_kills_the_autoscaler_monitor_before_ray_shutdown():
+    """Ray stops the GCS before the monitor, whose SIGTERM handler then waits on the dead GCS for the 1 s Ray gives
+    it: disconnect SIGKILLs the monitor first. The rest is Ray's own shutdown, and every process it started exits."""
+    done = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert seen["monitor alive before"], seen
+    assert seen["monitor exit code at ray.shutdown"] == -9, seen  # killed by disconnect, not by Ray's fallback
+    assert seen["ray up after"] is False and seen["alive after"] == [], seen
+    assert "autoscaler failed" not in done.stderr.lower() + done.stdout.lower()  # no "failure" reported
+
+
+def test_disconnect_leaves_a_ray_it_did_not_start(ray_session):
+    """A joined cluster (connect returned False) is not this run's to stop: the session's Ray stays up."""
+    import ray
+
+    from embedpipe.cluster.connect import connect, disconnect
+    from embedpipe.config import ClusterConfig
+
+    assert connect(ClusterConfig()) is False  # Ray is up already
+    disconnect(False)
+    assert ray.is_initialized()
