@@ -1,4 +1,4 @@
-"""The embedded local Ray: started by connect, stopped by disconnect (its own process: the session's Ray stays up)."""
+"""The embedded local Ray: started by connect, stopped by disconnect (in a process of its own, not the session Ray)."""
 
 import json
 import subprocess
@@ -22,10 +22,12 @@ class Echo:
 
 assert connect(ClusterConfig()), "connect started no Ray of its own"
 assert ray.get(Echo.remote().ping.remote(), timeout=60) == "pong"
+from ray._raylet import Config  # this driver's copy of the running Ray's system config
+retries = [Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_client_num_connect_attempts()]
 node = worker._global_node
 processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
 monitor = processes[ray_constants.PROCESS_TYPE_MONITOR][0]
-seen = {"monitor alive before": monitor.poll() is None}
+seen = {"monitor alive before": monitor.poll() is None, "connect retries": retries}
 shutdown = ray.shutdown
 
 def watched_shutdown(*args, **kwargs):  # what Ray's own shutdown finds when it starts
@@ -42,9 +44,10 @@ print("RESULT " + json.dumps(seen))
 """
 
 
-def test_disconnect_kills_the_autoscaler_monitor_before_ray_shutdown():
-    """Ray stops the GCS before the monitor, whose SIGTERM handler then waits on the dead GCS for the 1 s Ray gives
-    it: disconnect SIGKILLs the monitor first. The rest is Ray's own shutdown, and every process it started exits."""
+def test_embedded_ray_start_and_stop():
+    """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms). disconnect
+    SIGKILLs the autoscaler's monitor first: Ray stops the GCS before it, and its SIGTERM handler then waits on the
+    dead GCS for the 1 s Ray gives it. The rest is Ray's own shutdown, and every process it started exits."""
     done = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -52,6 +55,18 @@ def test_disconnect_kills_the_autoscaler_monitor_before_ray_shutdown():
     assert seen["monitor exit code at ray.shutdown"] == -9, seen  # killed by disconnect, not by Ray's fallback
     assert seen["ray up after"] is False and seen["alive after"] == [], seen
     assert "autoscaler failed" not in done.stderr.lower() + done.stdout.lower()  # no "failure" reported
+    assert seen["connect retries"] == [100, 100], seen  # the embedded Ray runs with LOCAL_SYSTEM_CONFIG
+
+
+def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):
+    """Ray's own RAY_<name> environment variables keep their say: such a key is not passed as system config."""
+    from embedpipe.cluster.connect import LOCAL_SYSTEM_CONFIG, local_system_config
+
+    monkeypatch.delenv("RAY_raylet_client_num_connect_attempts", raising=False)
+    monkeypatch.setenv("RAY_raylet_client_connect_timeout_milliseconds", "250")
+    assert local_system_config() == {"raylet_client_num_connect_attempts": 100}
+    monkeypatch.delenv("RAY_raylet_client_connect_timeout_milliseconds")
+    assert local_system_config() == LOCAL_SYSTEM_CONFIG
 
 
 def test_disconnect_leaves_a_ray_it_did_not_start(ray_session):

@@ -107,7 +107,21 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level)
+        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
+                 _system_config=local_system_config())
+
+
+# Ray's IPC connects (the raylet to its own object store, a worker to its raylet) retry every
+# raylet_client_connect_timeout_milliseconds, raylet_client_num_connect_attempts times (Ray 2.60: 1,000 ms, 10). The
+# raylet's first connect to its store races the store's own thread, and when it loses, the embedded Ray's start
+# waits a whole second (in 1 to 3 of 5 starts on 2 cores; docs/performance.md, session 22). Every 100 ms, 100
+# times: the same 10 s of patience, a tenth of the wait.
+LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
+
+
+def local_system_config() -> dict[str, int]:
+    """The embedded Ray's system config: LOCAL_SYSTEM_CONFIG, less what the environment sets itself (RAY_<name>)."""
+    return {name: value for name, value in LOCAL_SYSTEM_CONFIG.items() if f"RAY_{name}" not in os.environ}
 
 
 def submitted_job_address() -> str:
