@@ -111,11 +111,11 @@ def _init(cfg: ClusterConfig) -> None:
                  _system_config=local_system_config())
 
 
-# Ray's IPC connects (the raylet to its own object store, a worker to its raylet) retry every
+# Ray's IPC connects (the raylet's to its own object store among them) retry every
 # raylet_client_connect_timeout_milliseconds, raylet_client_num_connect_attempts times (Ray 2.60: 1,000 ms, 10). The
 # raylet's first connect to its store races the store's own thread, and when it loses, the embedded Ray's start
-# waits a whole second (in 1 to 3 of 5 starts on 2 cores; docs/performance.md, session 22). Every 100 ms, 100
-# times: the same 10 s of patience, a tenth of the wait.
+# waits a whole second (4 of 8 quickstarts on 2 cores; docs/performance.md, session 22). Every 100 ms, 100 times:
+# the same 10 s of patience, a tenth of the wait.
 LOCAL_SYSTEM_CONFIG = {"raylet_client_connect_timeout_milliseconds": 100, "raylet_client_num_connect_attempts": 100}
 
 
