@@ -49,16 +49,15 @@ def disconnect(started: bool) -> None:
     ray.shutdown()
 
 
-def _kill_autoscaler_monitor() -> int:
-    """SIGKILL the embedded Ray's autoscaler monitor; returns how many such processes were killed (0 when this
-    Ray's node table has none, or lays it out otherwise: then ray.shutdown takes its 1 s as before)."""
+def _kill_autoscaler_monitor() -> None:
+    """SIGKILL the embedded Ray's autoscaler monitor. Where this Ray's node table has none, or lays it out otherwise,
+    nothing is killed, and ray.shutdown takes its 1 s as before."""
     try:
         from ray._private import ray_constants, worker
 
         infos = worker._global_node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, [])
     except (ImportError, AttributeError):  # no node of this process's own, or another Ray's internals
-        return 0
-    killed = 0
+        return
     for info in infos:
         process = info.process
         if process.poll() is None:
@@ -67,8 +66,6 @@ def _kill_autoscaler_monitor() -> int:
                 process.wait(timeout=1)  # reaped here: ray.shutdown skips a process that has exited
             except subprocess.TimeoutExpired:  # stuck in the kernel: ray.shutdown waits on it as it always did
                 pass
-            killed += 1
-    return killed
 
 
 @contextmanager
