@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from embedpipe import errors
 from embedpipe.cli import app
+from embedpipe.cluster.codeid import CodeMismatch
 from embedpipe.cluster.scheduler import NoWorkerPlaced, UnitFailed
 from embedpipe.config import JobError
 from embedpipe.index.factory import FactoryError
@@ -65,7 +66,7 @@ def _job(tmp_path: Path, input_path: str, **sections) -> Path:
     (FactoryError, 2, ValueError), (IndexNotFound, 2, FileNotFoundError), (ManifestMismatch, 2, RuntimeError),
     (InputError, 3, ValueError), (StorageError, 3, ValueError),
     (UnitFailed, 4, RuntimeError), (NoWorkerPlaced, 4, RuntimeError), (RunFailed, 4, RuntimeError),
-    (WarmupDivergence, 4, RuntimeError),
+    (WarmupDivergence, 4, RuntimeError), (CodeMismatch, 4, RuntimeError),
     (OutputBusy, 5, RuntimeError), (OutputNotOwned, 5, ManifestMismatch),
 ])
 def test_every_error_carries_its_documented_code_and_keeps_its_base(cls, code, builtin):

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import ray.exceptions as rex
 
-from embedpipe.cluster.scheduler import Liveness, disk_problem, failure_message, unit_deadline
+from embedpipe.cluster.scheduler import Liveness, _own_message, disk_problem, failure_message, unit_deadline
 from embedpipe.config import ClusterConfig
+from embedpipe.units import InputError
 from tests.conftest import ROOT, write_job
 from tests.test_reliability import corpus  # noqa: F401 - the same fixture: 600 rows, 20 units of 30
 
@@ -87,6 +88,12 @@ def test_other_errors_keep_naming_the_file():
     stalled = failure_message("unit 00001", attempts=3, cause="timeout",
                               error="its worker did not finish it within 9 s")
     assert "cluster.unit_timeout_s" in stalled and "remove that file" not in stalled
+
+
+def test_an_input_error_raised_in_a_worker_keeps_its_own_words():
+    line = "bad row 3 of /data/in/a.parquet: empty text; set input.on_bad_row: skip"
+    assert _own_message(_as_ray_task_error(InputError(line))) == line  # not "embedpipe.errors.InputError: ..."
+    assert _own_message(_as_ray_task_error(ValueError("x"))) == "ValueError: x"  # others keep their type's name
 
 
 # --------------------------------------------------------------------------- a stopped worker (local Ray)

@@ -20,6 +20,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
+from embedpipe.cluster.codeid import this_code
 from embedpipe.cluster.connect import (connect, disconnect, expected_workers, local_gpus, plan_workers,
                                        submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
@@ -229,13 +230,14 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
+            code = this_code()  # the workers check theirs against it before their first unit
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
                                                          threads=workers.cpus_per_worker,
                                                          incremental=incremental, calibration=calibration,
-                                                         description=description),
+                                                         description=description, code=code),
                 workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
                 on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
                 resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker},

@@ -8,7 +8,8 @@ dies (killed, out of memory, its node lost) its unit goes back to the queue and 
 takes its slot (a unit held behind it had not begun encoding: it goes back to the front of the queue
 without losing an attempt); a unit that has killed ``max_attempts`` workers fails the run, or is set aside
 when ``on_error`` is ``skip_unit``. Bad input (``InputError``) is never retried: it would fail
-the same way again, and neither is a full or read-only disk (every unit would hit it).
+the same way again, and neither is a full or read-only disk (every unit would hit it), nor a worker running
+other embedpipe code than the driver (``CodeMismatch``: its node's install).
 
 Liveness (``Liveness``): the driver never waits on a worker without a bound.
 
@@ -35,8 +36,9 @@ from typing import Any, Callable, Iterator, Literal
 import ray
 import ray.exceptions as rex
 
+from embedpipe.cluster.codeid import CodeMismatch
 from embedpipe.config import UNIT_TIMEOUT_FACTOR, UNIT_TIMEOUT_FLOOR_S, ClusterConfig
-from embedpipe.errors import RunError
+from embedpipe.errors import EmbedpipeError, RunError
 from embedpipe.units import InputError, Unit
 
 log = logging.getLogger(__name__)
@@ -219,7 +221,9 @@ class Scheduler:
         try:
             result = ray.get(call.ref)
         except InputError as exc:  # RayTaskError subclasses the worker's exception type
-            raise InputError(_first_line(exc)) from None
+            raise InputError(_own_message(exc)) from None
+        except CodeMismatch as exc:  # the worker's node runs other embedpipe code: every attempt would fail there
+            raise CodeMismatch(_own_message(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
             disk = disk_problem(exc)
             if disk is not None:
@@ -414,6 +418,13 @@ def _kill(actor) -> None:
 def _rows(unit) -> int:
     """Rows of a work item: a Unit's ``num_rows``, an index Part's ``rows``."""
     return getattr(unit, "num_rows", None) or getattr(unit, "rows", 1)
+
+
+def _own_message(exc: BaseException) -> str:
+    """An embedpipe error a worker raised, as its own message: not Ray's traceback, nor the type's dotted name
+    that Ray's last line starts with (RayTaskError keeps the worker's exception as ``cause``)."""
+    cause = getattr(exc, "cause", None)
+    return str(cause) if isinstance(cause, EmbedpipeError) else _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

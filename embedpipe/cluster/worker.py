@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
@@ -57,9 +58,11 @@ class EmbedWorker:
     is this worker's own thread)."""
 
     def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
-                 incremental: Incremental | None = None, calibration=None, description=None):
+                 incremental: Incremental | None = None, calibration=None, description=None,
+                 code: CodeId | None = None):
         """``model``: the run's model in the object store; this worker loads it from its node's cache,
-        never from ``model.path``. ``calibration``: the run's int8/uint8 ranges
+        never from ``model.path``. ``code``: the driver's embedpipe (cluster/codeid.py): a worker running other
+        code fails its first unit (None: not checked). ``calibration``: the run's int8/uint8 ranges
         (embedpipe.io.quantize.Calibration), the same on every worker, replacements included: the
         driver fits them before any worker starts. ``description``: the output's record
         (embedpipe.io.describe.OutputDescription), put in every part's schema metadata."""
@@ -75,6 +78,7 @@ class EmbedWorker:
         from embedpipe.runtime import Encoder
 
         self.index, self.threads = index, threads
+        self.code = code
         self._ahead = ReadAhead()
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
@@ -100,6 +104,9 @@ class EmbedWorker:
         beside it. ``unit`` itself was read ahead by the previous call when that call named it; otherwise it
         is read here. A unit whose read failed fails in its own call, never in the one that read it ahead.
         Memory: two units (this one encoding, the next one tokenized)."""
+        if self.code is not None:  # before anything is read or written: CodeMismatch is never retried
+            check_same_code(self.code, worker=self.index, node=self.node)
+            self.code = None  # checked once
         try:
             taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
             # not read ahead: read first, alone (the read-ahead is for the encode's time)
