@@ -97,6 +97,19 @@ def test_unreadable_local_input_exits_3(tmp_path):
     assert "broken.parquet" in _one_line(result.stderr, "error:")
 
 
+def test_a_bad_row_found_by_a_worker_exits_3_in_its_own_words(tmp_path, ray_session):
+    """Screened in the worker (preflight reads no texts): Ray's dotted type name does not lead the line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "text": ["hello world", None, "x"]}), tmp_path / "in.parquet")
+    result = CliRunner().invoke(app, ["run", str(_job(tmp_path, str(tmp_path / "in.parquet"))), "--no-progress"])
+    assert result.exit_code == 3, result.output
+    line = _one_line(result.output, "error:")
+    assert line.startswith(f"error: {tmp_path / 'in.parquet'} (unit ") and "id 'b' has a bad text (null)" in line, line
+    assert "InputError" not in line, line
+
+
 def _closed_port() -> int:
     with socket.socket() as s:  # bound, then closed: nothing listens there
         s.bind(("127.0.0.1", 0))
