@@ -104,9 +104,8 @@ class EmbedWorker:
         beside it. ``unit`` itself was read ahead by the previous call when that call named it; otherwise it
         is read here. A unit whose read failed fails in its own call, never in the one that read it ahead.
         Memory: two units (this one encoding, the next one tokenized)."""
-        if self.code is not None:  # before anything is read or written: CodeMismatch is never retried
+        if self.code is not None:  # before anything is read or written (this_code is cached): never retried
             check_same_code(self.code, worker=self.index, node=self.node)
-            self.code = None  # checked once
         try:
             taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
             # not read ahead: read first, alone (the read-ahead is for the encode's time)
