@@ -69,9 +69,9 @@ def test_atomic_path_renames_on_success_and_removes_the_temporary_on_failure(tmp
     assert pq.read_table(tmp_path / "t.parquet")["id"].to_pylist() == [1, 2]
 
 
-def _expected(root: OutputLayout, *, units: list[str], run_id: str) -> set[Path]:
+def _expected(root: OutputLayout, *, units: list[str], version_id: str, run_id: str) -> set[Path]:
     """Every file a finished versioned run with a Flat index writes, as the layout names them."""
-    version = root.version(run_id)
+    version = root.version(version_id)
     index = version.index
     run = version.run(run_id)
     return {root.marker, root.current, root.description, version.description, version.marker, version.validated,
@@ -93,8 +93,10 @@ def test_the_layout_is_the_tree_a_run_writes(tmp_path, quickstart_table, ray_ses
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
     root = OutputLayout(out)
-    run_id = root.current.read_text().strip()
-    units = sorted(p.stem for p in root.version(run_id).units.glob("*.json"))
+    version_id = root.current.read_text().strip()
+    units = sorted(p.stem for p in root.version(version_id).units.glob("*.json"))
     assert len(units) == 2
+    # the run's id is its start (before preflight), the version's when it was chosen: a second apart at times
+    (run_id,) = [p.name for p in root.version(version_id).runs.iterdir()]
     written = {p for p in out.rglob("*") if p.is_file()}
-    assert written == _expected(root, units=units, run_id=run_id)
+    assert written == _expected(root, units=units, version_id=version_id, run_id=run_id)
