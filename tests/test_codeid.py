@@ -1,6 +1,7 @@
 """A worker running other embedpipe code than its driver's fails the run (cluster/codeid.py): the identity itself,
-the scheduler's refusal to retry it (real Ray actors), and the real CLI started from a folder holding another
-embedpipe/ package, which Ray puts first on its workers' import path."""
+the scheduler's refusal to retry it (real Ray actors), the run's other Ray work (the int8 calibration task, the
+incremental diff's tasks, the index's shard workers) checking it too, and the real CLI started from a folder holding
+another embedpipe/ package, which Ray puts first on its workers' import path."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_the_same_sources_in_another_folder_are_the_same_code(tmp_path):
     copy = code_id(_copy(tmp_path), version="1.0")
     assert copy.digest == code_id(PACKAGE, version="1.0").digest and copy.where != str(PACKAGE)
     check_same_code(CodeId(version=this_code().version, digest=this_code().digest, where=str(tmp_path)),
-                    worker=0, node="n")  # where it lies is not what it is
+                    who="worker 0", node="n")  # where it lies is not what it is
 
 
 @pytest.mark.parametrize("change", ["a byte", "a new file", "a renamed file"])
@@ -54,7 +55,7 @@ def test_any_change_to_the_sources_is_other_code(tmp_path, change):
 def test_a_mismatch_names_both_installs_the_node_and_the_fix():
     other = CodeId(version="0.0.9", digest="0123456789ab", where="/elsewhere/embedpipe")
     with pytest.raises(CodeMismatch) as raised:
-        check_same_code(other, worker=3, node="10.0.0.7/abcdef12")
+        check_same_code(other, who="worker 3", node="10.0.0.7/abcdef12")
     line = raised.value.line()
     assert raised.value.exit_code == 4
     for part in ("worker 3 on node 10.0.0.7/abcdef12", this_code().describe(), other.describe(),
@@ -62,7 +63,8 @@ def test_a_mismatch_names_both_installs_the_node_and_the_fix():
         assert part in line, (part, line)
     version_only = CodeId(version="0.0.9", digest=this_code().digest, where=this_code().where)
     with pytest.raises(CodeMismatch):  # another version of the same sources is still another install
-        check_same_code(version_only, worker=0, node="n")
+        check_same_code(version_only, who="worker 0", node="n")
+    check_same_code(None, who="worker 0", node="n")  # None: not checked
 
 
 class CheckingWorker:
@@ -75,7 +77,7 @@ class CheckingWorker:
     def process(self, unit: Unit, ahead: Unit | None = None) -> str:
         with self.log.open("a") as f:
             f.write(json.dumps({"unit": unit.id, "pid": os.getpid()}) + "\n")
-        check_same_code(self.code, worker=0, node="test")
+        check_same_code(self.code, who="worker 0", node="test")
         return unit.id
 
 
@@ -92,6 +94,69 @@ def test_the_scheduler_never_retries_a_worker_running_other_code(tmp_path, ray_s
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len({c["pid"] for c in calls}) == 1 and calls[0]["unit"] == units[0].id  # one worker, no replacement
     assert scheduler.retries == []
+
+
+def _other_code() -> CodeId:
+    return CodeId(version=this_code().version, digest="0" * 12, where="/elsewhere/embedpipe")
+
+
+def _calibration(tmp_path: Path, corpus: Path, units: list) -> None:
+    from embedpipe.cluster.calibrate import fit
+    from embedpipe.config import load_job
+
+    job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
+                             model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
+                             output={"path": str(tmp_path / "out"), "dtype": "int8"}))
+    fit(job, units, cpus=1, gpus=0, code=_other_code())
+
+
+def _diff(tmp_path: Path, corpus: Path, units: list) -> None:
+    from embedpipe.cluster.diff import diff_on_ray
+    from embedpipe.config import load_job
+
+    job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
+                             model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
+                             output={"path": str(tmp_path / "out")}))
+    diff_on_ray(job, units, parts=(), previous={}, code=_other_code())
+
+
+def _shards(tmp_path: Path, corpus: Path, units: list) -> None:
+    import faiss
+    import numpy as np
+
+    from embedpipe.cluster.connect import WorkerPlan
+    from embedpipe.cluster.shards import shard_runner
+    from embedpipe.config import ClusterConfig
+    from embedpipe.index.ids import IdPlan
+    from embedpipe.index.parts import Part
+    from embedpipe.index.shard import ShardContext
+
+    vectors = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    index = faiss.IndexIVFFlat(faiss.IndexFlatL2(8), 8, 2)
+    index.train(vectors)
+    context = ShardContext(trained=faiss.serialize_index(index), ids=IdPlan(native=False, offsets={}),
+                           queries=vectors[:4], width=2, metric="l2", shard_dir=str(tmp_path / "shards"))
+    run = shard_runner(ClusterConfig(), WorkerPlan(workers=1, cpus_per_worker=1, gpus_per_worker=0),
+                       code=_other_code())
+    list(run(context, [Part(unit_id=u.id, path=str(tmp_path / f"{u.id}.parquet"), rows=u.num_rows) for u in units]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("work, who", [(_calibration, "the int8 calibration task"),
+                                       (_diff, "an incremental diff task"), (_shards, "index shard worker 0")])
+def test_the_runs_other_ray_work_checks_the_drivers_code(tmp_path, small_corpus, ray_session, work, who):
+    """The calibration's ranges quantize every part, the diff decides which rows are reused, a shard is part of the
+    index: each runs on a Ray worker, and each refuses other code than the driver's, in its own one line."""
+    from embedpipe.units import plan_units
+
+    _, corpus = small_corpus
+    units = plan_units([str(corpus)], unit_rows=100)
+    with pytest.raises(CodeMismatch) as raised:
+        work(tmp_path, corpus, units)
+    line = str(raised.value)
+    assert line.startswith(f"{who} on node "), line  # its own words: not Ray's traceback
+    assert "/elsewhere/embedpipe" in line and "Traceback" not in line, line
+    assert [f for f in tmp_path.rglob("*") if f.is_file() and f.name != "job.yaml"] == []  # nothing written
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from embedpipe.cluster.codeid import CodeId, check_same_code, own_words
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import InputConfig, JobSpec
 from embedpipe.io.layout import OutputLayout, atomic_write_text
@@ -47,9 +48,11 @@ def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -
     return [texts[i] for i in picks.tolist()]
 
 
-def _embed_sample(job: JobSpec, texts: list[str], threads: int, model: ShippedModel | None) -> np.ndarray:
+def _embed_sample(job: JobSpec, texts: list[str], threads: int, model: ShippedModel | None,
+                  code: CodeId | None = None) -> np.ndarray:
     """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D];
-    the model from the node's cache, as a worker loads it."""
+    the model from the node's cache, as a worker loads it. ``code``: the driver's (None: not checked)."""
+    check_same_code(code, who="the int8 calibration task")  # its ranges quantize every part: the run's code
     from embedpipe.io.fs import use_job_storage
     from embedpipe.runtime import Encoder
 
@@ -58,13 +61,15 @@ def _embed_sample(job: JobSpec, texts: list[str], threads: int, model: ShippedMo
 
 
 def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: int, previous: str | Path | None,
-                         cpus: float, gpus: float, model: ShippedModel | None = None) -> Calibration | None:
+                         cpus: float, gpus: float, model: ShippedModel | None = None,
+                         code: CodeId | None = None) -> Calibration | None:
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
 
     Order: this output's record (a resumed run), the previous version's (an incremental run), else
     fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
     ``dim``: the stored vectors' dimension, from the run's plan (``RunPlan.model.vector_dim``).
     ``model``: the run's shipped model (the driver's); None only where ``model.path`` is on every node.
+    ``code``: the driver's code (cluster/codeid.py), checked by the task that fits; None: not checked.
     """
     dtype = job.output.dtype
     if not stored_type(dtype).quantized:
@@ -78,13 +83,14 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: 
                 log.info("int8 calibration taken from %s", OutputLayout(source).quantization)
                 break
         else:
-            calibration = fit(job, units, cpus=cpus, gpus=gpus, model=model)
+            calibration = fit(job, units, cpus=cpus, gpus=gpus, model=model, code=code)
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
     atomic_write_text(OutputLayout(output).quantization, json.dumps(record, indent=2) + "\n")
     return calibration
 
 
-def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float, model: ShippedModel | None = None) -> Calibration:
+def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float, model: ShippedModel | None = None,
+        code: CodeId | None = None) -> Calibration:
     import ray
 
     o = job.output
@@ -92,7 +98,8 @@ def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float, model: Shi
     if not texts:
         raise ValueError("output.dtype int8/uint8: the calibration sample found no text rows in the input")
     task = ray.remote(_embed_sample).options(num_cpus=cpus, num_gpus=gpus, max_retries=1)
-    vectors = ray.get(task.remote(job, texts, max(int(cpus), 1), model))
+    with own_words():
+        vectors = ray.get(task.remote(job, texts, max(int(cpus), 1), model, code))
     log.info("int8 calibration fitted on %d sampled rows", len(texts))
     return fit_calibration(vectors, precision=o.dtype, seed=o.calibration_seed,
                            input_rows=sum(u.num_rows for u in units))

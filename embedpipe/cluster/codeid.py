@@ -3,9 +3,11 @@
 A worker may import another embedpipe than the driver's: another install on its node, or a folder named
 ``embedpipe/`` in the driver's working directory, which Ray puts ahead of the installed package on every worker's
 import path (``JobConfig._py_driver_sys_path``; a console script's driver does not see it). Its vectors would come
-from other code than the run's record says. So the driver hands every worker its ``CodeId``; a worker whose own
-differs fails its first unit with ``CodeMismatch``, which the scheduler never retries (another worker would meet the
-same install), before it reads or writes anything.
+from other code than the run's record says. So the driver hands every process that does the run's work its
+``CodeId``, and each checks its own before it reads or writes anything: the embedding workers at every unit, the
+index's shard workers at every shard, and the int8 calibration and incremental diff tasks when they start. A
+mismatch raises ``CodeMismatch`` (exit 4), which is never retried: another worker on that node would meet the same
+install.
 
 The identity is the installed distribution's version and a digest of the package's source files. The version alone
 cannot tell two trees of one version apart: it is read from the installed metadata, not from the code imported.
@@ -14,9 +16,11 @@ cannot tell two trees of one version apart: it is read from the installed metada
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
 
 from embedpipe.errors import RunError
 
@@ -54,12 +58,30 @@ def this_code() -> CodeId:
     return code_id(Path(__file__).resolve().parents[1], version=embedpipe_version())
 
 
-def check_same_code(driver: CodeId, *, worker: int, node: str) -> None:
-    """Raise CodeMismatch when this process runs other embedpipe code than ``driver``'s."""
+def check_same_code(driver: CodeId | None, *, who: str, node: str | None = None) -> None:
+    """Raise CodeMismatch when this process runs other embedpipe code than ``driver``'s (None: not checked).
+    ``who``: the process as the message names it ("worker 1", "the int8 calibration task"); ``node``: its Ray
+    node (default: this process's)."""
+    if driver is None:
+        return
     mine = this_code()
     if (mine.version, mine.digest) == (driver.version, driver.digest):
         return
+    if node is None:
+        from embedpipe.cluster.scheduler import node_name
+
+        node = node_name()
     raise CodeMismatch(
-        f"worker {worker} on node {node} runs {mine.describe()}, the driver {driver.describe()}: install the same "
+        f"{who} on node {node} runs {mine.describe()}, the driver {driver.describe()}: install the same "
         f"embedpipe on every node, and start the run from a folder with no other embedpipe/ package in it (Ray puts "
         f"the driver's working directory first on its workers' import path)")
+
+
+@contextmanager
+def own_words() -> Iterator[None]:
+    """Around a driver's ``ray.get`` of checked work: a task's CodeMismatch is raised in its own one line, not as
+    Ray's wrapper (a RayTaskError is an instance of the task's error type, its message Ray's traceback)."""
+    try:
+        yield
+    except CodeMismatch as exc:
+        raise CodeMismatch(str(getattr(exc, "cause", None) or exc)) from None

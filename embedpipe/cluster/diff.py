@@ -12,6 +12,7 @@ import time
 
 import ray
 
+from embedpipe.cluster.codeid import CodeId, check_same_code, own_words
 from embedpipe.config import JobSpec
 from embedpipe.io.diff import (MAP_UNITS, NightDiff, bucket_count, join_bucket, map_parts, map_units, night_diff,
                                unclaimed_parts, unit_tasks)
@@ -19,28 +20,32 @@ from embedpipe.units import Unit
 
 
 def diff_on_ray(job: JobSpec, units: list[Unit], *, parts: tuple[str, ...],
-                previous: dict[tuple[str, str], int]) -> NightDiff:
-    """Where each of ``units``' ids was in the previous version (its ``parts``; ``previous``: unit key -> part)."""
+                previous: dict[tuple[str, str], int], code: CodeId | None) -> NightDiff:
+    """Where each of ``units``' ids was in the previous version (its ``parts``; ``previous``: unit key -> part).
+    ``code``: the driver's (cluster/codeid.py), checked by every task first (None: not checked): the diff decides
+    which rows are reused."""
     started = time.perf_counter()
     tasks = unit_tasks(units, previous)
     buckets = bucket_count(sum(u.num_rows for u in units))
     map_u = ray.remote(_map_units).options(num_returns=buckets + 1, num_cpus=1)
     map_p = ray.remote(_map_parts).options(num_returns=buckets + 1, num_cpus=1)
-    maps = [map_u.remote(job, tasks[i:i + MAP_UNITS], parts=parts, buckets=buckets)
+    maps = [map_u.remote(job, tasks[i:i + MAP_UNITS], parts=parts, buckets=buckets, code=code)
             for i in range(0, len(tasks), MAP_UNITS)]
     rest = unclaimed_parts(tasks, parts)
-    maps += [map_p.remote(job, rest[i:i + MAP_UNITS], parts=parts, buckets=buckets)
+    maps += [map_p.remote(job, rest[i:i + MAP_UNITS], parts=parts, buckets=buckets, code=code)
              for i in range(0, len(rest), MAP_UNITS)]
-    join = ray.remote(join_bucket).options(num_cpus=1)
-    joins = [join.remote(*(m[b + 1] for m in maps)) for b in range(buckets)]
-    stats, matches = ray.get([m[0] for m in maps]), ray.get(joins)
+    join = ray.remote(_join).options(num_cpus=1)
+    joins = [join.remote(*(m[b + 1] for m in maps), code=code) for b in range(buckets)]
+    with own_words():
+        stats, matches = ray.get([m[0] for m in maps]), ray.get(joins)
     diff = night_diff(units, tasks, parts=parts, stats=stats, matches=matches, buckets=buckets)
     diff.moved = {unit_id: ray.put(table) for unit_id, table in diff.moved.items()}  # each worker gets its own
     diff.stats.seconds = time.perf_counter() - started
     return diff
 
 
-def _map_units(job: JobSpec, tasks, *, parts, buckets):
+def _map_units(job: JobSpec, tasks, *, parts, buckets, code: CodeId | None):
+    check_same_code(code, who="an incremental diff task")
     from embedpipe.io.formats import UnitReader
     from embedpipe.io.fs import use_job_storage
 
@@ -50,9 +55,15 @@ def _map_units(job: JobSpec, tasks, *, parts, buckets):
     return (stats, *pieces)
 
 
-def _map_parts(job: JobSpec, indexes, *, parts, buckets):
+def _map_parts(job: JobSpec, indexes, *, parts, buckets, code: CodeId | None):
+    check_same_code(code, who="an incremental diff task")
     from embedpipe.io.fs import use_job_storage
 
     use_job_storage(job)
     stats, pieces = map_parts(indexes, parts=parts, buckets=buckets)
     return (stats, *pieces)
+
+
+def _join(*pieces, code: CodeId | None):
+    check_same_code(code, who="an incremental diff task")
+    return join_bucket(*pieces)

@@ -20,7 +20,7 @@ import ray
 from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
-from embedpipe.cluster.codeid import this_code
+from embedpipe.cluster.codeid import CodeId, this_code
 from embedpipe.cluster.connect import (connect, disconnect, expected_workers, local_gpus, plan_workers,
                                        submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
@@ -221,16 +221,16 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             elif not done and len(todo) < workers.workers:  # a resume with a few units left is expected
                 log.warning("%d of %d workers sit idle: %d unit(s) to encode", workers.workers - len(todo),
                             workers.workers, len(todo))
+            code = this_code()  # every worker and task checks theirs against it before it reads or writes
             if incremental is not None and incremental.previous:  # before any worker takes a unit
-                incremental, diff = _diff_night(job, todo, incremental)
+                incremental, diff = _diff_night(job, todo, incremental, code=code)
             model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
-                                               gpus=workers.gpus_per_worker, model=model,
+                                               gpus=workers.gpus_per_worker, model=model, code=code,
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
-            code = this_code()  # the workers check theirs against it before their first unit
             actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
@@ -258,7 +258,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                     bar.set_postfix(tokens_per_s=f"{this_run.tokens / elapsed:,.0f}", refresh=False)
             finished = _finish_parts(manifest, plan.units)
             # while Ray is up: sample, train, add (shards on this Ray's workers), merge, recall
-            index_report = index_build(run_shards=shard_runner(job.cluster, workers)) if index_build else None
+            index_report = (index_build(run_shards=shard_runner(job.cluster, workers, code=code)) if index_build
+                            else None)
         finally:
             disconnect(started_ray)
     else:
@@ -311,9 +312,9 @@ def _describe(job: JobSpec, plan: RunPlan, output: TreePath, calibration: Calibr
     return description
 
 
-def _diff_night(job: JobSpec, todo: list, incremental: Incremental) -> tuple[Incremental, dict]:
+def _diff_night(job: JobSpec, todo: list, incremental: Incremental, *, code: CodeId) -> tuple[Incremental, dict]:
     """The night's diff as Ray tasks (embedpipe/cluster/diff.py), handed to the workers with the Incremental."""
-    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units)
+    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units, code=code)
     log.info("incremental diff: %s", night.stats.to_dict())
     return replace(incremental, previous_units={}, same_part=night.same_part, moved=night.moved), \
         night.stats.to_dict()
@@ -325,7 +326,7 @@ def _index_alone(job: JobSpec, index_build: IndexBuild) -> dict:
         return index_build()
     started_ray = connect(job.cluster)
     try:
-        return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster)))
+        return index_build(run_shards=shard_runner(job.cluster, plan_workers(job.cluster), code=this_code()))
     finally:
         disconnect(started_ray)
 

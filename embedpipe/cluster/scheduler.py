@@ -395,6 +395,13 @@ def node_label(ip: str, node_id: str) -> str:
     return f"{ip}/{node_id[:8]}"
 
 
+def node_name() -> str:
+    """This process's Ray node as the report names it (node_label); "" outside Ray."""
+    if not ray.is_initialized():
+        return ""
+    return node_label(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
+
+
 def _actor_node(actor) -> str:
     """The node ``actor`` ran on, from Ray's actor table; "" when unknown."""
     try:

@@ -21,6 +21,7 @@ from typing import Any
 
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
+from embedpipe.cluster.scheduler import node_name
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
@@ -104,8 +105,8 @@ class EmbedWorker:
         beside it. ``unit`` itself was read ahead by the previous call when that call named it; otherwise it
         is read here. A unit whose read failed fails in its own call, never in the one that read it ahead.
         Memory: two units (this one encoding, the next one tokenized)."""
-        if self.code is not None:  # before anything is read or written (this_code is cached): never retried
-            check_same_code(self.code, worker=self.index, node=self.node)
+        # before anything is read or written (this_code is cached): never retried
+        check_same_code(self.code, who=f"worker {self.index}", node=self.node)
         try:
             taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
             # not read ahead: read first, alone (the read-ahead is for the encode's time)
@@ -295,14 +296,3 @@ class ReadAhead:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-
-def node_name() -> str:
-    """This process's Ray node as the report names it (scheduler.node_label); "" outside Ray."""
-    import ray
-
-    from embedpipe.cluster.scheduler import node_label
-
-    if not ray.is_initialized():
-        return ""
-    return node_label(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
