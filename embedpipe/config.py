@@ -269,7 +269,8 @@ class ClusterConfig:
     workers: int | None = opt(None, "Worker actors; null: one per GPU, else one.")
     cpus_per_worker: int | None = opt(None, "CPUs (and torch threads) per worker; null: the node's CPUs split over the workers (GPU workers: 2).")
     max_attempts: int = opt(3, "A unit whose worker dies (killed, out of memory) goes back to the queue; after this many "
-                               "deaths it fails the run (or is skipped, see on_error).")
+                               "deaths it fails the run (or is skipped, see on_error). A worker slot whose workers "
+                               "fail to start this many times in a row is given up.")
     on_error: Literal["fail", "skip_unit"] = opt(
         "fail", "A unit that failed max_attempts times: fail stops the run naming the unit and its file; "
                 "skip_unit leaves it out and lists it under `units.failed_units` in the report.")
@@ -281,7 +282,8 @@ class ClusterConfig:
               "unit has finished, cluster.startup_timeout_s.")
     startup_timeout_s: float = opt(
         1800.0, "Seconds a placed worker's start (model load, warmup check) may take, and, with unit_timeout_s null, "
-                "a unit taken before any unit has finished; past it the worker is replaced (an attempt for its unit).")
+                "a unit taken before any unit has finished; past it the worker is replaced, as one that failed to start "
+                "(its units lose no attempt: none had begun).")
     placement_timeout_s: float = opt(
         60.0, "A new worker that Ray cannot place on a node within this many seconds (no free CPU/GPU, e.g. after "
               "a node was lost) is given up with a warning: its unit goes to a live worker and the run goes on "

@@ -16,8 +16,10 @@ Liveness (``Liveness``): the driver never waits on a worker without a bound.
 - A unit past its deadline (``unit_deadline``; its clock starts when its worker is ready and the
   unit before it on that worker is done, so model load and queueing never count) is a stalled worker: it is killed and replaced, the unit requeued
   (an attempt, as a death).
-- A placed worker whose start (``__init__``: model load, warmup) takes longer than
-  ``startup_timeout_s`` is replaced the same way.
+- A worker that fails to start (its ``__init__`` raised: model load, warmup) or whose start takes longer than
+  ``startup_timeout_s`` is replaced; its units go back to the front of the queue without losing an attempt (none
+  began). A slot whose workers failed to start ``max_attempts`` times in a row is given up with a warning; the run
+  fails (``NoWorkerStarted``, with the last start's error) only when no slot is left.
 - A new actor Ray cannot place within ``placement_timeout_s`` (no free CPU/GPU) is given up
   with a warning; the run goes on with the workers it has and fails (``NoWorkerPlaced``)
   only when none is left.
@@ -60,6 +62,10 @@ class UnitFailed(RunError, RuntimeError):
 
 class NoWorkerPlaced(RunError, RuntimeError):
     """Every worker slot was given up: Ray could place none of their actors."""
+
+
+class NoWorkerStarted(RunError, RuntimeError):
+    """Every worker slot was given up, the last because its workers kept failing to start."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class _Slot:
     ready_ref: Any  # the pending __ray_ready__ call; None once answered
     placed: float | None = None  # when Ray gave it a worker process
     ready: float | None = None  # when its __init__ finished
+    failed_starts: int = 0  # this slot's workers that failed to start in a row, before this one
     calls: list[_Call] = field(default_factory=list)  # in order: calls[0] is in flight, the rest are held
 
     @property
@@ -170,6 +177,7 @@ class Scheduler:
         """Yield each unit's result as it finishes (completion order)."""
         self._queue, self._attempts = deque(units), {u.id: 0 for u in units}
         self._slowest: float | None = None  # slowest seconds per row of a finished unit
+        self._gave_up_starting: str | None = None  # the line of the last slot given up for its failed starts
         self._slots = [self._start(i) for i in range(self.workers)]
         try:
             self._fill()
@@ -186,6 +194,8 @@ class Scheduler:
     def _step(self):
         live = [s for s in self._slots if s.actor is not None]
         if not live:
+            if self._gave_up_starting is not None:  # the last slot given up was given up for its starts
+                raise NoWorkerStarted(self._gave_up_starting)
             raise NoWorkerPlaced(self._no_worker_message())
         pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
         # a worker answers its calls in order (a death fails them all): only the first is waited on
@@ -206,7 +216,8 @@ class Scheduler:
         ref, slot.ready_ref = slot.ready_ref, None
         try:
             ray.get(ref)
-        except Exception:  # noqa: BLE001 - its __init__ failed: the unit's own call fails and says why
+        except Exception as exc:  # noqa: BLE001 - its __init__ failed, or its process died while starting
+            self._start_raised(slot, exc)
             return
         now = time.monotonic()
         slot.placed, slot.ready = slot.placed or now, now
@@ -220,21 +231,56 @@ class Scheduler:
             slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
             result = ray.get(call.ref)
+        except rex.RayActorError as exc:  # its __init__ raised: answered before the start's own ref was looked at
+            if not exc.actor_init_failed:
+                return self._failed_call(slot, unit, exc)
+            slot.calls.insert(0, call)  # never began: back to the queue with the units held behind it
+            slot.ready_ref = None
+            self._start_raised(slot, exc)
+            return None
         except InputError as exc:  # RayTaskError subclasses the worker's exception type
             raise InputError(_own_message(exc)) from None
         except CodeMismatch as exc:  # the worker's node runs other embedpipe code: every attempt would fail there
             raise CodeMismatch(_own_message(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
-            disk = disk_problem(exc)
-            if disk is not None:
-                raise UnitFailed(f"{unit.label}: {disk}") from None
-            died = isinstance(exc, WORKER_DEATH)
-            self._lost(slot, unit, cause="died" if died else "error", error=_first_line(exc), replace=died)
-            return None
+            return self._failed_call(slot, unit, exc)
         if started is not None:
             rate = (time.monotonic() - started) / max(_rows(unit), 1)
             self._slowest = max(self._slowest or 0.0, rate)
         return result
+
+    def _failed_call(self, slot: _Slot, unit, exc: BaseException) -> None:
+        disk = disk_problem(exc)
+        if disk is not None:
+            raise UnitFailed(f"{unit.label}: {disk}") from None
+        died = isinstance(exc, WORKER_DEATH)
+        self._lost(slot, unit, cause="died" if died else "error", error=_first_line(exc), replace=died)
+
+    def _start_raised(self, slot: _Slot, exc: BaseException) -> None:
+        disk = disk_problem(exc)
+        if disk is not None:  # every start would meet it (the model's cache on that disk)
+            raise UnitFailed(f"worker {slot.index} could not start: {disk}") from None
+        self._failed_start(slot, _first_line(exc))
+
+    def _failed_start(self, slot: _Slot, error: str) -> None:
+        """A worker that did not start: a new one takes the slot, or after ``max_attempts`` in a row the slot is
+        given up. Its units go back to the front of the queue with no attempt lost: none of them began."""
+        failed = slot.failed_starts + 1
+        if failed < self.max_attempts:
+            log.warning("worker %d failed to start (%d of %d in a row): %s; a new worker takes its slot",
+                        slot.index, failed, self.max_attempts, error)
+            self._replace(slot)
+            self._slots[slot.index].failed_starts = failed
+            return
+        _kill(slot.actor)
+        slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
+        self._requeue(slot)
+        left = sum(s.actor is not None for s in self._slots)
+        self._gave_up_starting = (f"no worker could start: worker {slot.index} failed to start {failed} times in a "
+                                  f"row, last: {error}; fix that and rerun the same command to resume: finished units "
+                                  f"are kept")
+        log.warning("worker %d given up: it failed to start %d times in a row, last: %s; %d worker(s) left",
+                    slot.index, failed, error, left)
 
     # ------------------------------------------------------------------ liveness
 
@@ -249,7 +295,9 @@ class Scheduler:
             if slot.placed is None and now - slot.created > lv.placement_timeout_s:
                 self._give_up(slot)
             elif slot.ready is None and slot.placed is not None and now - slot.placed > lv.startup_timeout_s:
-                self._stalled(slot, f"its worker did not start within {lv.startup_timeout_s:g} s")
+                slot.ready_ref = None  # a start that hung: no attempt lost, its answer no longer waited on
+                self._failed_start(slot, f"it did not start within {lv.startup_timeout_s:g} s "
+                                         f"(cluster.startup_timeout_s)")
             elif slot.ready is not None and slot.calls and now - slot.calls[0].taken > self._deadline(slot.unit):
                 self._stalled(slot, f"its worker did not finish it within {self._deadline(slot.unit):.0f} s")
 
@@ -267,10 +315,6 @@ class Scheduler:
         return max(min(bounds), 0.01)
 
     def _stalled(self, slot: _Slot, why: str) -> None:
-        if not slot.calls:  # a start that hung with no unit yet: a fresh actor, no attempt lost
-            log.warning("worker %d: %s; replacing it", slot.index, why)
-            self._replace(slot)
-            return
         unit = slot.calls.pop(0).unit
         self._lost(slot, unit, cause="timeout", error=why, replace=True)
 

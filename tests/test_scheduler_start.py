@@ -1,0 +1,70 @@
+"""A worker that fails to start (its ``__init__`` raised, or hung past ``startup_timeout_s``) is replaced and costs
+no unit an attempt: none of its units began. A slot whose workers keep failing to start is given up, and the run
+fails with the worker's own error, not with advice about memory. Real Ray actors on the session's Ray; each start is
+one line in a file, so a start can fail a given number of times."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from embedpipe.cluster.scheduler import Liveness, NoWorkerStarted, Scheduler
+from embedpipe.units import Unit
+
+pytestmark = pytest.mark.slow
+ray_pickle = pytest.importorskip("ray.cloudpickle")
+ray_pickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import this test module
+
+
+class StartingWorker:
+    """Its first ``bad_starts`` starts (counted in the file ``starts``) raise, or hang when ``hang``."""
+
+    def __init__(self, starts: str, bad_starts: int, hang: bool):
+        path = Path(starts)
+        with path.open("a") as f:
+            f.write("start\n")
+        if len(path.read_text().splitlines()) <= bad_starts:
+            if hang:
+                time.sleep(600)
+            raise FileNotFoundError("the model's weights are missing on this node: /models/x/model.safetensors")
+
+    def process(self, unit: Unit, ahead: Unit | None = None) -> str:
+        return unit.id
+
+
+def _units(n: int) -> list[Unit]:
+    return [Unit(id=f"00000-{i:05d}", file="corpus.parquet", row_groups=(i,), num_rows=10) for i in range(n)]
+
+
+def _run(ray, starts: Path, *, bad_starts: int, hang: bool = False, startup_timeout_s: float = 60) -> Scheduler:
+    actor_cls = ray.remote(StartingWorker).options(num_cpus=0, max_restarts=0)
+    scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(starts), bad_starts, hang), workers=1,
+                          max_attempts=3, depth=2,
+                          liveness=Liveness(unit_timeout_s=60, startup_timeout_s=startup_timeout_s,
+                                            placement_timeout_s=30))
+    assert sorted(scheduler.run(_units(3))) == [u.id for u in _units(3)]
+    return scheduler
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["raised", "hung"])
+def test_a_worker_that_fails_to_start_is_replaced_and_no_unit_loses_an_attempt(tmp_path, ray_session, hang):
+    starts = tmp_path / "starts.txt"
+    scheduler = _run(ray_session, starts, bad_starts=2, hang=hang, startup_timeout_s=3 if hang else 60)
+    assert len(starts.read_text().splitlines()) == 3  # two failed starts, then one that took every unit
+    assert scheduler.replaced == 2 and scheduler.given_up == 0
+    assert scheduler.retries == [] and scheduler.retried == 0  # no unit paid for the starts
+
+
+def test_a_slot_whose_workers_never_start_fails_the_run_with_their_own_error(tmp_path, ray_session):
+    starts = tmp_path / "starts.txt"
+    with pytest.raises(NoWorkerStarted) as raised:
+        _run(ray_session, starts, bad_starts=99)
+    line = raised.value.line()
+    assert raised.value.exit_code == 4
+    assert len(starts.read_text().splitlines()) == 3  # max_attempts starts, then the slot was given up
+    assert line.startswith("no worker could start: worker 0 failed to start 3 times in a row, last: "), line
+    assert "the model's weights are missing on this node: /models/x/model.safetensors" in line, line
+    assert "memory" not in line and "rerun the same command to resume" in line, line
