@@ -1,6 +1,7 @@
 """output.index: auto on real MiniLM vectors: the size model counts what the index holds (so SQ6/SQ4 fit small
 budgets), and PQ/OPQ are chosen only where they train on enough vectors to be cheap and good."""
 
+import os
 import time
 
 import faiss
@@ -32,7 +33,13 @@ def minilm_vectors(minilm_dir, one_faiss_thread):
     else:  # a checkout without the shared data: the quickstart's paragraphs and glosses, and a second form of them
         texts = pq.read_table(QUICKSTART)["text"].to_pylist()
         texts += [f"In short: {t}" for t in texts[: ROWS - len(texts)]]
-    vectors = Encoder.from_options(str(minilm_dir), max_seq_len=32).embed(texts[:ROWS])
+    import torch
+
+    before = torch.get_num_threads()  # 1 under one_faiss_thread: torch and FAISS share OpenMP's thread count here
+    try:  # the machine's cores for the encode (half the time), then FAISS's one thread again
+        vectors = Encoder.from_options(str(minilm_dir), max_seq_len=32, threads=os.cpu_count() or 1).embed(texts[:ROWS])
+    finally:
+        torch.set_num_threads(before)
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
