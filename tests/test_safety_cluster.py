@@ -139,49 +139,54 @@ def test_sigstopped_worker_is_replaced(tmp_path, corpus, ray_session, encoder, c
 
 # --------------------------------------------------------------------------- a lost node (multi-node Ray)
 
-def _run_on_cluster(tmp_path: Path, folder: Path, *, nodes: int, workers: int) -> dict:
-    """The script below in a subprocess, bounded: its JSON answer plus its stderr."""
-    job = _job(tmp_path, folder, workers=workers, placement_timeout_s=5)
-    cmd = [sys.executable, "-m", "tests.test_safety_cluster", str(job), str(nodes)]
+@pytest.fixture(scope="module")
+def lost_nodes(tmp_path_factory, corpus):  # noqa: F811 - the imported fixture
+    """Both lost-node runs on one cluster (a head without CPUs and two one-CPU nodes), in a subprocess, bounded:
+    "survivor" (2 workers, a node removed mid-run: it finishes on the other), then "last" (1 worker on the node
+    left, removed mid-run: nothing can be placed). {name: its JSON answer plus the stderr, its work folder}."""
+    _, folder = corpus
+    work = {name: tmp_path_factory.mktemp(name) for name in ("survivor", "last")}
+    jobs = [_job(work["survivor"], folder, workers=2, placement_timeout_s=5),
+            _job(work["last"], folder, workers=1, placement_timeout_s=5)]
+    cmd = [sys.executable, "-m", "tests.test_safety_cluster", *map(str, jobs)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=420)
+        out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session: the driver and its Ray nodes
         out, err = proc.communicate()
-        pytest.fail(f"the run hung after its node was removed; stderr tail: {err[-3000:]}")
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert lines, f"no answer (rc {proc.returncode}); stderr tail: {err[-3000:]}"
-    return {**json.loads(lines[-1]), "stderr": err}
+        pytest.fail(f"a run hung after its node was removed; stderr tail: {err[-3000:]}")
+    answers = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert len(answers) == 2, f"no answer (rc {proc.returncode}); stderr tail: {err[-3000:]}"
+    return {name: ({**answer, "stderr": err}, work[name]) for name, answer in zip(("survivor", "last"), answers)}
 
 
 @pytest.mark.slow
-def test_lost_node_without_spare_cpu_finishes_on_the_survivor(tmp_path, corpus, encoder):
+def test_lost_node_without_spare_cpu_finishes_on_the_survivor(lost_nodes, corpus, encoder):  # noqa: F811
     from tests.test_reliability import _assert_exact
 
-    table, folder = corpus
-    answer = _run_on_cluster(tmp_path, folder, nodes=2, workers=2)
+    table, _ = corpus
+    answer, work = lost_nodes["survivor"]
     assert answer["exit_code"] == 0, answer["output"] + answer["stderr"][-3000:]
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = json.loads((work / "out" / "report.json").read_text())
     assert report["units"]["encoded"] == report["units"]["total"] == 20 and report["units"]["failed"] == 0
     assert "given up: Ray could not place it within 5 s" in answer["output"] + answer["stderr"]  # the CLI's log lines
-    _assert_exact(tmp_path / "out", table, encoder)
+    _assert_exact(work / "out", table, encoder)
 
 
 @pytest.mark.slow
-def test_lost_last_node_fails_naming_the_resources(tmp_path, corpus):
-    _, folder = corpus
-    answer = _run_on_cluster(tmp_path, folder, nodes=1, workers=1)
+def test_lost_last_node_fails_naming_the_resources(lost_nodes):
+    answer, _ = lost_nodes["last"]
     assert answer["exit_code"] == 4, answer["output"] + answer["stderr"][-3000:]
     assert "no worker could be placed for 5 s: the cluster has 0 CPUs / 0 GPUs free" in answer["output"]
     assert "each worker needs 1 CPU (cluster.cpus_per_worker=1)" in answer["output"]
 
 
-def _main(job_file: str, nodes: int) -> None:
-    """Head without CPUs plus ``nodes`` one-CPU nodes; run the job through the CLI, remove a node once
-    two units are done; print {exit_code, output} as the last line."""
+def _main(job_files: list[str]) -> None:
+    """Head without CPUs plus one one-CPU node per job; run the jobs through the CLI one after the other, each
+    removing one node once two of its units are done; print {exit_code, output} per job, each on its own line."""
     import ray
     from ray.cluster_utils import Cluster
     from typer.testing import CliRunner
@@ -193,23 +198,27 @@ def _main(job_file: str, nodes: int) -> None:
     logging.basicConfig(level=logging.WARNING)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
         "health_check_period_ms": 500, "health_check_failure_threshold": 3}})
-    workers = [cluster.add_node(num_cpus=1) for _ in range(nodes)]
+    workers = [cluster.add_node(num_cpus=1) for _ in job_files]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING)
-    out = Path(load_job(Path(job_file)).output.path)
     try:
-        def remove_a_node() -> None:
-            while _records(out) < 2:
-                time.sleep(0.05)
-            cluster.remove_node(workers[-1], allow_graceful=False)
+        for job_file in job_files:
+            out = Path(load_job(Path(job_file)).output.path)
 
-        threading.Thread(target=remove_a_node, daemon=True).start()
-        result = CliRunner().invoke(app, ["run", job_file, "--no-progress"])
-        print(json.dumps({"exit_code": result.exit_code, "output": result.output}), flush=True)
+            def remove_a_node(out: Path = out) -> None:
+                while _records(out) < 2:
+                    time.sleep(0.05)
+                cluster.remove_node(workers.pop(), allow_graceful=False)
+
+            remover = threading.Thread(target=remove_a_node, daemon=True)
+            remover.start()
+            result = CliRunner().invoke(app, ["run", job_file, "--no-progress"])
+            remover.join(timeout=60)
+            print(json.dumps({"exit_code": result.exit_code, "output": result.output}), flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]))
+    _main(sys.argv[1:])
