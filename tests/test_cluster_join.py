@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUICKSTART, write_job
+from tests.conftest import write_job
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
@@ -26,8 +26,9 @@ def _free_port() -> int:
 TOKEN = "0123456789abcdef" * 4  # this head's own auth token, independent of ~/.ray/auth_token
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
+    """One token-auth head for the module: a refused join changes nothing on it."""
     port, temp = _free_port(), f"/tmp/ep_head_{os.getpid()}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
@@ -113,8 +114,9 @@ def test_join_a_token_cluster_without_a_token_names_the_fix(tmp_path, ray_head):
     assert run.returncode != 0 and "requires token auth and this machine has no Ray token" in run.stderr, run.stderr
 
 
-def test_run_joins_an_existing_cluster(tmp_path, ray_head, quickstart_table):
-    job = write_job(tmp_path / "job.yaml", input={"path": str(QUICKSTART), "unit_rows": 1000},
+def test_run_joins_an_existing_cluster(tmp_path, ray_head, small_corpus):
+    table, corpus = small_corpus  # 300 rows: joining is what is tested, not the encode
+    job = write_job(tmp_path / "job.yaml", input={"path": str(corpus), "unit_rows": 100},
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
                     output={"path": str(tmp_path / "out")},
                     cluster={"address": "auto", "workers": 1})
@@ -124,5 +126,5 @@ def test_run_joins_an_existing_cluster(tmp_path, ray_head, quickstart_table):
                           "--no-progress"], capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["rows"] == quickstart_table.num_rows and report["workers"] == 1
-    assert "3,000 rows" in run.stdout
+    assert report["rows"] == table.num_rows and report["workers"] == 1
+    assert "300 rows" in run.stdout
