@@ -163,7 +163,7 @@ def _main(work: Path) -> None:
 
     from embedpipe.cli import app
     from embedpipe.cluster import driver
-    from embedpipe.cluster.scheduler import node_label
+    from embedpipe.cluster.nodes import node_label
 
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
@@ -216,7 +216,8 @@ def _removing_a_busy_node(cluster, nodes: list, removed: list[str], *, dead_with
     could finish before the node went down, leaving nothing to retry."""
     from ray._private import state
 
-    from embedpipe.cluster.scheduler import Scheduler, node_label
+    from embedpipe.cluster.nodes import node_label
+    from embedpipe.cluster.scheduler import Scheduler
 
     submit, finished, done = Scheduler._submit, Scheduler._finished, [0]
     by_id = {n.node_id: n for n in nodes}

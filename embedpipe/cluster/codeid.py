@@ -68,7 +68,7 @@ def check_same_code(driver: CodeId | None, *, who: str, node: str | None = None)
     if (mine.version, mine.digest) == (driver.version, driver.digest):
         return
     if node is None:
-        from embedpipe.cluster.scheduler import node_name
+        from embedpipe.cluster.nodes import node_name
 
         node = node_name()
     raise CodeMismatch(

@@ -39,6 +39,7 @@ import ray
 import ray.exceptions as rex
 
 from embedpipe.cluster.codeid import CodeMismatch
+from embedpipe.cluster.nodes import node_label
 from embedpipe.config import UNIT_TIMEOUT_FACTOR, UNIT_TIMEOUT_FLOOR_S, ClusterConfig
 from embedpipe.errors import EmbedpipeError, RunError
 from embedpipe.units import InputError, Unit
@@ -431,19 +432,6 @@ def _placed(actor) -> bool:
         return bool(info.get("Pid")) or info.get("State") == "ALIVE"
     except Exception:  # noqa: BLE001 - a Ray without this table: fall back to readiness
         return False
-
-
-def node_label(ip: str, node_id: str) -> str:
-    """A Ray node as the report names it: "<ip>/<first 8 hex digits of its id>" (the id tells apart nodes
-    that share an address, such as several nodes of one machine)."""
-    return f"{ip}/{node_id[:8]}"
-
-
-def node_name() -> str:
-    """This process's Ray node as the report names it (node_label); "" outside Ray."""
-    if not ray.is_initialized():
-        return ""
-    return node_label(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
 
 
 def _actor_node(actor) -> str:

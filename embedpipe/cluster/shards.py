@@ -15,7 +15,8 @@ import ray
 
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.connect import WorkerPlan
-from embedpipe.cluster.scheduler import Liveness, Scheduler, node_name
+from embedpipe.cluster.nodes import node_name
+from embedpipe.cluster.scheduler import Liveness, Scheduler
 from embedpipe.config import ClusterConfig
 from embedpipe.index.build import RunShards
 from embedpipe.index.parts import Part

@@ -21,7 +21,7 @@ from typing import Any
 
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
-from embedpipe.cluster.scheduler import node_name
+from embedpipe.cluster.nodes import node_name
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
@@ -51,7 +51,7 @@ class UnitResult:
     started: float = 0.0  # time.time() when the worker took the unit (the report's per-worker timeline)
     finished: float = 0.0  # time.time() when its part was recorded
     device: dict = field(default_factory=dict)  # DeviceInfo.to_dict(): the device and its measured peak
-    node: str = ""  # the Ray node it ran on: "<node ip>/<node id, 8 hex digits>" (scheduler.node_label)
+    node: str = ""  # the Ray node it ran on: "<node ip>/<node id, 8 hex digits>" (cluster/nodes.py)
 
 
 class EmbedWorker:
