@@ -96,6 +96,25 @@ def test_an_input_error_raised_in_a_worker_keeps_its_own_words():
     assert _own_message(_as_ray_task_error(ValueError("x"))) == "ValueError: x"  # others keep their type's name
 
 
+def test_a_failed_start_keeps_its_own_words_from_rays_text():
+    """A worker's ``__init__`` error reaches the driver as Ray's ActorDiedError, which keeps only its text."""
+    from embedpipe.models.cache import ModelCacheError
+
+    line = "model cache /c/models/ab: cannot write the model there: point EMBEDPIPE_CACHE_DIR at a writable disk"
+
+    def died_starting(exc: BaseException) -> rex.ActorDiedError:
+        try:
+            raise exc
+        except type(exc) as raised:
+            return rex.ActorDiedError.from_task_error(rex.RayTaskError("__init__", traceback.format_exc(), raised,
+                                                                       actor_id="ab" * 16))
+
+    died = died_starting(ModelCacheError(line))
+    assert died.actor_init_failed and getattr(died, "cause", None) is None  # the text is all there is
+    assert _own_message(died) == line  # not "embedpipe.models.cache.ModelCacheError: ..."
+    assert _own_message(died_starting(OSError("disk"))) == "OSError: disk"  # others keep their type's name
+
+
 # --------------------------------------------------------------------------- a stopped worker (local Ray)
 
 @pytest.fixture(scope="module")

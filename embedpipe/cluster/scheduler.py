@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ WORKER_DEATH = (rex.RayActorError, rex.WorkerCrashedError, rex.OutOfMemoryError,
 # errno -> (what is wrong with the disk, the fix): retrying or skipping the unit cannot help
 DISK_ERRNOS = {errno.ENOSPC: ("is full", "free space there"), errno.EDQUOT: ("is over its quota", "free space there"),
                errno.EROFS: ("is read-only", "make it writable")}
+EMBEDPIPE_TYPE = re.compile(r"^embedpipe(?:\.\w+)+: ")  # "embedpipe.models.cache.ModelCacheError: " in Ray's text
 POLL_S = 1.0  # longest wait between liveness checks (placement is polled at this pace)
 
 Cause = Literal["died", "timeout", "error"]
@@ -255,13 +257,13 @@ class Scheduler:
         if disk is not None:
             raise UnitFailed(f"{unit.label}: {disk}") from None
         died = isinstance(exc, WORKER_DEATH)
-        self._lost(slot, unit, cause="died" if died else "error", error=_first_line(exc), replace=died)
+        self._lost(slot, unit, cause="died" if died else "error", error=_own_message(exc), replace=died)
 
     def _start_raised(self, slot: _Slot, exc: BaseException) -> None:
         disk = disk_problem(exc)
         if disk is not None:  # every start would meet it (the model's cache on that disk)
             raise UnitFailed(f"worker {slot.index} could not start: {disk}") from None
-        self._failed_start(slot, _first_line(exc))
+        self._failed_start(slot, _own_message(exc))
 
     def _failed_start(self, slot: _Slot, error: str) -> None:
         """A worker that did not start: a new one takes the slot, or after ``max_attempts`` in a row the slot is
@@ -461,9 +463,10 @@ def _rows(unit) -> int:
 
 def _own_message(exc: BaseException) -> str:
     """An embedpipe error a worker raised, as its own message: not Ray's traceback, nor the type's dotted name
-    that Ray's last line starts with (RayTaskError keeps the worker's exception as ``cause``)."""
+    that Ray's last line starts with (RayTaskError keeps the worker's exception as ``cause``; a failed ``__init__``
+    reaches the driver as Ray's ActorDiedError, its text only). Other errors keep their type's name."""
     cause = getattr(exc, "cause", None)
-    return str(cause) if isinstance(cause, EmbedpipeError) else _first_line(exc)
+    return str(cause) if isinstance(cause, EmbedpipeError) else EMBEDPIPE_TYPE.sub("", _first_line(exc))
 
 
 def _first_line(exc: BaseException) -> str:
