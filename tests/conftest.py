@@ -17,7 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="module")
 def one_faiss_thread():
-    """FAISS in this process on one OpenMP thread: on a shared machine, spinning threads cost minutes."""
+    """FAISS in this process on one OpenMP thread: on a shared machine, spinning threads cost minutes. Torch shares
+    OpenMP's thread count in this process, so torch runs on one thread too while it holds: a fixture that encodes
+    much sets its own threads and gives the count back (tests/test_index_auto.py)."""
     import faiss
 
     before = faiss.omp_get_max_threads()
