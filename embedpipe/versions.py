@@ -16,14 +16,15 @@ abandoned unfinished ones, never the current one.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from embedpipe.config import JobSpec
 from embedpipe.errors import RunError
-from embedpipe.io.layout import CURRENT, DESCRIPTION, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes
+from embedpipe.io.layout import (CURRENT, DESCRIPTION, VALIDATED, VERSIONS, OutputLayout, atomic_write_bytes,
+                                 stamp_name)
 from embedpipe.io.describe import OutputDescription, changes, read_description
 from embedpipe.io.manifest import Manifest, vector_salt
 from embedpipe.io.ownership import is_output, remove_owned
@@ -63,8 +64,9 @@ def is_validated(root: str | Path, version: str) -> bool:
     return layout.store.exists(layout.validated)
 
 
-def choose_version(root: str | Path, fingerprint: dict) -> str:
-    """Resume the newest unfinished version of this same job, else start a new run id."""
+def choose_version(root: str | Path, fingerprint: dict, *, started_at: float | None = None) -> str:
+    """Resume the newest unfinished version of this same job, else a new version named by the second its run
+    started (``started_at``, time.time(); None: now), so that its first run has the same name."""
     current = current_version(root)
     names = version_names(root)
     unfinished = [name for name in names if name != current and not is_validated(root, name)]
@@ -72,12 +74,7 @@ def choose_version(root: str | Path, fingerprint: dict) -> str:
         job = _read_json(OutputLayout(root).version(name).job)
         if job is not None and job.get("sha256") == fingerprint["sha256"]:
             return name
-    run_id = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    suffix, candidate = 0, run_id
-    while candidate in names:
-        suffix += 1
-        candidate = f"{run_id}-{suffix}"
-    return candidate
+    return stamp_name(time.time() if started_at is None else started_at, taken=set(names))
 
 
 def validate(version_dir: str | Path, report: dict, *, expected_rows: int) -> None:

@@ -96,7 +96,7 @@ def test_the_layout_is_the_tree_a_run_writes(tmp_path, quickstart_table, ray_ses
     version_id = root.current.read_text().strip()
     units = sorted(p.stem for p in root.version(version_id).units.glob("*.json"))
     assert len(units) == 2
-    # the run's id is its start (before preflight), the version's when it was chosen: a second apart at times
     (run_id,) = [p.name for p in root.version(version_id).runs.iterdir()]
+    assert run_id == version_id  # a new version is named by its run's start second, as the run is
     written = {p for p in out.rglob("*") if p.is_file()}
     assert written == _expected(root, units=units, version_id=version_id, run_id=run_id)

@@ -135,3 +135,12 @@ def test_run_ids_are_utc_seconds_with_a_suffix_when_taken(tmp_path):
     (tmp_path / "19700101T000000Z").mkdir()
     (tmp_path / "19700101T000000Z-1").mkdir()
     assert new_run_id(tmp_path, started_at=0.4) == "19700101T000000Z-2"
+
+
+def test_a_new_version_is_named_by_its_runs_start_second(tmp_path):
+    from embedpipe.versions import choose_version
+
+    assert choose_version(tmp_path, {"sha256": "abc"}, started_at=0.9) == "19700101T000000Z"
+    (tmp_path / "versions" / "19700101T000000Z").mkdir(parents=True)  # a version of that second exists (finished)
+    (tmp_path / "CURRENT").write_text("19700101T000000Z")
+    assert choose_version(tmp_path, {"sha256": "abc"}, started_at=0.9) == "19700101T000000Z-1"

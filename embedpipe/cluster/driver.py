@@ -154,12 +154,13 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
 
 def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, lock: OutputLock,
                    clock: RunClock | None = None) -> RunResult:
+    clock = clock or RunClock.now()
     root = tree_path(job.output.path)
     claim_output(root, kind="versioned")
     if overwrite:
         versions.remove_all(root)
     fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
-    version = versions.choose_version(root, fingerprint)
+    version = versions.choose_version(root, fingerprint, started_at=clock.wall)  # a new one: named as its run
     incremental, reencode_reason = None, None
     if job.output.incremental:
         parts, units = versions.previous_units(root)  # the current version's intact parts, from its manifest

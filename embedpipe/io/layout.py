@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
@@ -50,6 +51,7 @@ SKIPPED = "skipped.parquet"
 QUANTIZATION = "quantization.json"
 DESCRIPTION = "embedpipe.json"
 CURRENT, VERSIONS, VALIDATED = "CURRENT", "versions", "VALIDATED"
+STAMP_FORMAT = "%Y%m%dT%H%M%SZ"  # a version's and a run's name: the UTC second its run started
 
 # What embedpipe writes at the top of an output (versioned roots add CURRENT and versions/); --overwrite
 # removes exactly these, and nothing else in the folder.
@@ -308,3 +310,14 @@ def write_table(table: pa.Table, path: str | TreePath) -> Written:
     """``atomic_write_table`` that also says what was written: size and sha256 (of the bytes uploaded)."""
     path = tree_path(path)
     return store_for(path).write_table(table, path)
+
+
+def stamp_name(started_at: float, *, taken: set[str]) -> str:
+    """A version's or a run's name: the UTC second ``started_at`` (STAMP_FORMAT), with ``-1``, ``-2``... when a
+    name of that second is ``taken``."""
+    base = datetime.fromtimestamp(started_at, timezone.utc).strftime(STAMP_FORMAT)
+    suffix, candidate = 0, base
+    while candidate in taken:
+        suffix += 1
+        candidate = f"{base}-{suffix}"
+    return candidate

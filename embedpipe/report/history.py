@@ -16,7 +16,7 @@ import json
 import logging
 from datetime import datetime, timezone
 
-from embedpipe.io.layout import RUNS, OutputLayout
+from embedpipe.io.layout import RUNS, OutputLayout, stamp_name
 from embedpipe.io.store import Store, TreePath, store_for
 from embedpipe.report.counters import Counters
 from embedpipe.report.outputs import write_renderings
@@ -24,7 +24,6 @@ from embedpipe.report.report import write_report
 
 log = logging.getLogger(__name__)
 
-RUN_ID_FORMAT = "%Y%m%dT%H%M%SZ"  # as versions.py names its versions
 # What a run that held no worker still knows about the output, and so rewrites in the output's report.
 OUTPUT_KEYS = ("job", "rows", "tokens", "padded_tokens", "truncated_rows", "skipped_rows", "bad_rows",
                "padding_efficiency", "units", "stages", "index", "incremental", "version")
@@ -32,13 +31,7 @@ OUTPUT_KEYS = ("job", "rows", "tokens", "padded_tokens", "truncated_rows", "skip
 
 def new_run_id(runs: TreePath, *, started_at: float) -> str:
     """The run's UTC start second, with ``-1``, ``-2``... when a run of that second exists."""
-    base = datetime.fromtimestamp(started_at, timezone.utc).strftime(RUN_ID_FORMAT)
-    taken = set(store_for(runs).names(runs))
-    suffix, candidate = 0, base
-    while candidate in taken:
-        suffix += 1
-        candidate = f"{base}-{suffix}"
-    return candidate
+    return stamp_name(started_at, taken=set(store_for(runs).names(runs)))
 
 
 def record_run(output: TreePath, report: dict, *, started_at: float, this_run: Counters) -> dict:
