@@ -282,8 +282,8 @@ class ClusterConfig:
               "unit has finished, cluster.startup_timeout_s.")
     startup_timeout_s: float = opt(
         1800.0, "Seconds a placed worker's start (model load, warmup check) may take, and, with unit_timeout_s null, "
-                "a unit taken before any unit has finished; past it the worker is replaced, as one that failed to start "
-                "(its units lose no attempt: none had begun).")
+                "a unit taken before any unit has finished; past it the worker is replaced, as one that failed to "
+                "start (its units lose no attempt: none had begun).")
     placement_timeout_s: float = opt(
         60.0, "A new worker that Ray cannot place on a node within this many seconds (no free CPU/GPU, e.g. after "
               "a node was lost) is given up with a warning: its unit goes to a live worker and the run goes on "

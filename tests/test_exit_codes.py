@@ -65,7 +65,8 @@ def _job(tmp_path: Path, input_path: str, **sections) -> Path:
     (JobError, 2, ValueError), (ModelError, 2, ValueError), (ModelNotFound, 2, FileNotFoundError),
     (FactoryError, 2, ValueError), (IndexNotFound, 2, FileNotFoundError), (ManifestMismatch, 2, RuntimeError),
     (InputError, 3, ValueError), (StorageError, 3, ValueError),
-    (UnitFailed, 4, RuntimeError), (NoWorkerPlaced, 4, RuntimeError), (NoWorkerStarted, 4, RuntimeError), (RunFailed, 4, RuntimeError),
+    (UnitFailed, 4, RuntimeError), (NoWorkerPlaced, 4, RuntimeError), (NoWorkerStarted, 4, RuntimeError),
+    (RunFailed, 4, RuntimeError),
     (WarmupDivergence, 4, RuntimeError), (CodeMismatch, 4, RuntimeError),
     (OutputBusy, 5, RuntimeError), (OutputNotOwned, 5, ManifestMismatch),
 ])
