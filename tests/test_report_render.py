@@ -95,3 +95,21 @@ def test_the_per_worker_table_names_the_ray_node_and_the_retried_units():
         assert _value(text, "retried units") == "00000-00004 (worker died on 10.0.0.7/3f2a9c1b), " * 4 + \
             "00000-00004 (worker died on 10.0.0.7/3f2a9c1b) and 2 more"
     assert "| ray node |" in md and "10.0.0.7/3f2a9c1b + 10.0.0.8/77aa01cd" in table
+
+
+def test_the_failed_worker_starts_are_listed_with_their_node_and_error():
+    """Each worker that did not start, its node and its error (long ones cut); "none"; "unknown" for older reports."""
+    r = sample_report()
+    r["units"]["failed_starts"] = []
+    assert _value(render_table(r), "failed worker starts") == "none"
+    missing = {"worker": 1, "node": "10.0.0.8/77aa01cd", "error": "FileNotFoundError: no weights on this node"}
+    long = {"worker": 0, "node": "", "error": "model cache /c: " + "x" * 200}
+    r["units"]["failed_starts"] = [missing, long, missing, missing]
+    for text in (render_table(r), render_markdown(r)):
+        value = _value(text, "failed worker starts")
+        assert value.startswith("worker 1 on 10.0.0.8/77aa01cd (FileNotFoundError: no weights on this node); "
+                                "worker 0 (model cache /c: xxx"), value
+        assert "(model cache /c: " + "x" * 83 + "…)" in value, value  # 100 characters of the error in all
+        assert value.endswith(" and 1 more"), value
+    del r["units"]["failed_starts"]
+    assert _value(render_table(r), "failed worker starts") == "unknown"  # a report from before they were kept

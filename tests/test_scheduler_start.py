@@ -57,6 +57,9 @@ def test_a_worker_that_fails_to_start_is_replaced_and_no_unit_loses_an_attempt(t
     assert len(starts.read_text().splitlines()) == bad_starts + 1  # the failed starts, then one that took every unit
     assert scheduler.replaced == bad_starts and scheduler.given_up == 0
     assert scheduler.retries == [] and scheduler.retried == 0  # no unit paid for the starts
+    why = "did not start within 3 s" if hang else "the model's weights are missing on this node"
+    assert [f.worker for f in scheduler.start_failures] == [0] * bad_starts  # for the report, each with its node
+    assert all(why in f.error and f.node for f in scheduler.start_failures), scheduler.start_failures
 
 
 def test_a_slot_whose_workers_never_start_fails_the_run_with_their_own_error(tmp_path, ray_session):

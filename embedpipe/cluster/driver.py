@@ -279,7 +279,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         units={"total": len(plan.units), "skipped_as_done": len(done), "encoded": len(todo) - len(scheduler.failed),
                "retried": scheduler.retried, "failed": len(scheduler.failed),
                "failed_units": [f.to_dict() for f in scheduler.failed],
-               "retried_units": [r.to_dict() for r in scheduler.retries]},
+               "retried_units": [r.to_dict() for r in scheduler.retries],
+               "failed_starts": [f.to_dict() for f in scheduler.start_failures]},
         peak_rss_mb={"driver": round(peak_rss_mb(), 1),
                      "workers": [peaks.get(i) for i in range(len(per_worker))]},
     )

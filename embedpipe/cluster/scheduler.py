@@ -128,6 +128,19 @@ class UnitRetry:
                 "error": self.error, "worker": self.worker, "node": self.node}
 
 
+@dataclass(frozen=True)
+class StartFailure:
+    """One worker that did not start (its ``__init__`` raised, it died starting, or it passed
+    ``startup_timeout_s``), for the report."""
+
+    worker: int  # its slot
+    node: str  # the Ray node it was placed on (node_label); "" when Ray no longer knows
+    error: str
+
+    def to_dict(self) -> dict:
+        return {"worker": self.worker, "node": self.node, "error": self.error}
+
+
 @dataclass
 class _Call:
     """One unit handed to a worker: its pending process() call, or (a unit held behind it) none yet."""
@@ -171,6 +184,7 @@ class Scheduler:
     resources: dict[str, float] = field(default_factory=dict)  # one worker's {"CPU": n, "GPU": m}, for messages
     retried: int = 0  # unit attempts lost to a worker death, stall or error
     retries: list[UnitRetry] = field(default_factory=list)  # each of them, in the order they were lost
+    start_failures: list[StartFailure] = field(default_factory=list)  # workers that did not start, in order
     failed: list[UnitFailure] = field(default_factory=list)
     replaced: int = 0  # actors started to replace dead or stalled ones
     given_up: int = 0  # slots left empty: their actor could not be placed
@@ -269,6 +283,7 @@ class Scheduler:
         """A worker that did not start: a new one takes the slot, or after ``max_attempts`` in a row the slot is
         given up. Its units go back to the front of the queue with no attempt lost: none of them began."""
         failed = slot.failed_starts + 1
+        self.start_failures.append(StartFailure(slot.index, _actor_node(slot.actor), error))
         if failed < self.max_attempts:
             log.warning("worker %d failed to start (%d of %d in a row): %s; a new worker takes its slot",
                         slot.index, failed, self.max_attempts, error)

@@ -128,6 +128,22 @@ def _retried_text(r: dict, *, listed: int = 5) -> str | None:
     return ", ".join(one(x) for x in retries[:listed]) + more if retries else "none"
 
 
+def _failed_starts_text(r: dict, *, listed: int = 3, error_chars: int = 100) -> str | None:
+    """The workers that did not start, with their node and error ("none"); None for older reports."""
+    u = r.get("units")
+    starts = u.get("failed_starts") if isinstance(u, dict) else None
+    if starts is None:
+        return None
+
+    def one(x: dict) -> str:
+        where = f" on {x['node']}" if x.get("node") else ""
+        error = x["error"] if len(x["error"]) <= error_chars else x["error"][:error_chars - 1] + "…"
+        return f"worker {x['worker']}{where} ({error})"
+
+    more = f" and {len(starts) - listed} more" if len(starts) > listed else ""
+    return "; ".join(one(x) for x in starts[:listed]) + more if starts else "none"
+
+
 def _bad_rows_text(r: dict) -> str | None:
     bad = r.get("bad_rows")
     if bad is None:
@@ -147,6 +163,7 @@ OVERVIEW: list[Metric] = [
     Metric("Run", "workers", _dig("workers"), f_int),
     Metric("Run", "units", _units_text, f_text, numeric=False),
     Metric("Run", "retried units", _retried_text, f_text, numeric=False),
+    Metric("Run", "failed worker starts", _failed_starts_text, f_text, numeric=False),
     Metric("Run", "wall time", _dig("wall_seconds"), f_sec),
     Metric("Run", "start-up (to first unit)", _dig("startup_seconds"), f_sec),
     Metric("Run", "peak memory, driver", _dig("peak_rss_mb", "driver"), f_mb),
