@@ -8,6 +8,7 @@ contract for schedulers (docs/operations.md).
 
 from __future__ import annotations
 
+import re
 import signal
 
 
@@ -72,3 +73,22 @@ class Interrupted(KeyboardInterrupt):
         if self.done is None or self.total is None:
             return "rerun the same command to resume"
         return f"rerun the same command to resume ({self.done} of {self.total} units done)"
+
+
+# "embedpipe.models.cache.ModelCacheError: " at the head of Ray's text for an error raised in a worker
+EMBEDPIPE_TYPE = re.compile(r"^embedpipe(?:\.\w+)+: ")
+
+
+def first_line(exc: BaseException) -> str:
+    """The line an error's text ends with: the message, after any traceback Ray puts before it."""
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
+
+
+def remote_message(exc: BaseException) -> str:
+    """An error a Ray worker raised, as the driver says it. An embedpipe error in its own words: not Ray's
+    traceback, nor the dotted type name Ray's last line starts with (RayTaskError keeps the worker's exception as
+    ``cause``; a failed ``__init__`` reaches the driver as Ray's ActorDiedError, its text only). Other errors keep
+    their type's name."""
+    cause = getattr(exc, "cause", None)
+    return str(cause) if isinstance(cause, EmbedpipeError) else EMBEDPIPE_TYPE.sub("", first_line(exc))

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 import ray.exceptions as rex
 
-from embedpipe.cluster.scheduler import Liveness, _own_message, disk_problem, failure_message, unit_deadline
+from embedpipe.cluster.scheduler import Liveness, disk_problem, failure_message, unit_deadline
 from embedpipe.config import ClusterConfig
+from embedpipe.errors import remote_message
 from embedpipe.units import InputError
 from tests.conftest import ROOT, write_job
 from tests.test_reliability import corpus  # noqa: F401 - the same fixture: 600 rows, 20 units of 30
@@ -92,8 +93,8 @@ def test_other_errors_keep_naming_the_file():
 
 def test_an_input_error_raised_in_a_worker_keeps_its_own_words():
     line = "bad row 3 of /data/in/a.parquet: empty text; set input.on_bad_row: skip"
-    assert _own_message(_as_ray_task_error(InputError(line))) == line  # not "embedpipe.errors.InputError: ..."
-    assert _own_message(_as_ray_task_error(ValueError("x"))) == "ValueError: x"  # others keep their type's name
+    assert remote_message(_as_ray_task_error(InputError(line))) == line  # not "embedpipe.errors.InputError: ..."
+    assert remote_message(_as_ray_task_error(ValueError("x"))) == "ValueError: x"  # others keep their type's name
 
 
 def test_a_failed_start_keeps_its_own_words_from_rays_text():
@@ -111,8 +112,8 @@ def test_a_failed_start_keeps_its_own_words_from_rays_text():
 
     died = died_starting(ModelCacheError(line))
     assert died.actor_init_failed and getattr(died, "cause", None) is None  # the text is all there is
-    assert _own_message(died) == line  # not "embedpipe.models.cache.ModelCacheError: ..."
-    assert _own_message(died_starting(OSError("disk"))) == "OSError: disk"  # others keep their type's name
+    assert remote_message(died) == line  # not "embedpipe.models.cache.ModelCacheError: ..."
+    assert remote_message(died_starting(OSError("disk"))) == "OSError: disk"  # others keep their type's name
 
 
 # --------------------------------------------------------------------------- a stopped worker (local Ray)

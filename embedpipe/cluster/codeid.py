@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from embedpipe.errors import RunError
+from embedpipe.errors import RunError, remote_message
 
 DIGEST_CHARS = 12  # hex digits of the sources' sha256 kept: enough to tell trees apart, short enough for a line
 
@@ -84,4 +84,4 @@ def own_words() -> Iterator[None]:
     try:
         yield
     except CodeMismatch as exc:
-        raise CodeMismatch(str(getattr(exc, "cause", None) or exc)) from None
+        raise CodeMismatch(remote_message(exc)) from None

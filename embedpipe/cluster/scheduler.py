@@ -30,7 +30,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ import ray.exceptions as rex
 from embedpipe.cluster.codeid import CodeMismatch
 from embedpipe.cluster.nodes import node_label
 from embedpipe.config import UNIT_TIMEOUT_FACTOR, UNIT_TIMEOUT_FLOOR_S, ClusterConfig
-from embedpipe.errors import EmbedpipeError, RunError
+from embedpipe.errors import RunError, first_line, remote_message
 from embedpipe.units import InputError, Unit
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,6 @@ WORKER_DEATH = (rex.RayActorError, rex.WorkerCrashedError, rex.OutOfMemoryError,
 # errno -> (what is wrong with the disk, the fix): retrying or skipping the unit cannot help
 DISK_ERRNOS = {errno.ENOSPC: ("is full", "free space there"), errno.EDQUOT: ("is over its quota", "free space there"),
                errno.EROFS: ("is read-only", "make it writable")}
-EMBEDPIPE_TYPE = re.compile(r"^embedpipe(?:\.\w+)+: ")  # "embedpipe.models.cache.ModelCacheError: " in Ray's text
 POLL_S = 1.0  # longest wait between liveness checks (placement is polled at this pace)
 
 Cause = Literal["died", "timeout", "error"]
@@ -256,9 +254,9 @@ class Scheduler:
             self._start_raised(slot, exc)
             return None
         except InputError as exc:  # RayTaskError subclasses the worker's exception type
-            raise InputError(_own_message(exc)) from None
+            raise InputError(remote_message(exc)) from None
         except CodeMismatch as exc:  # the worker's node runs other embedpipe code: every attempt would fail there
-            raise CodeMismatch(_own_message(exc)) from None
+            raise CodeMismatch(remote_message(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
             return self._failed_call(slot, unit, exc)
         if started is not None:
@@ -271,13 +269,13 @@ class Scheduler:
         if disk is not None:
             raise UnitFailed(f"{unit.label}: {disk}") from None
         died = isinstance(exc, WORKER_DEATH)
-        self._lost(slot, unit, cause="died" if died else "error", error=_own_message(exc), replace=died)
+        self._lost(slot, unit, cause="died" if died else "error", error=remote_message(exc), replace=died)
 
     def _start_raised(self, slot: _Slot, exc: BaseException) -> None:
         disk = disk_problem(exc)
         if disk is not None:  # every start would meet it (the model's cache on that disk)
             raise UnitFailed(f"worker {slot.index} could not start: {disk}") from None
-        self._failed_start(slot, _own_message(exc))
+        self._failed_start(slot, remote_message(exc))
 
     def _failed_start(self, slot: _Slot, error: str) -> None:
         """A worker that did not start: a new one takes the slot, or after ``max_attempts`` in a row the slot is
@@ -428,7 +426,7 @@ def disk_problem(exc: BaseException) -> str | None:
     cause = getattr(exc, "cause", None) or exc
     code = cause.errno if isinstance(cause, OSError) else None
     if code not in DISK_ERRNOS:  # the cause may not have crossed intact: read the message
-        line = _first_line(exc)
+        line = first_line(exc)
         code = next((c for c in DISK_ERRNOS if f"[Errno {c}]" in line or os.strerror(c) in line), None)
     if code is None:
         return None
@@ -474,16 +472,3 @@ def _kill(actor) -> None:
 def _rows(unit) -> int:
     """Rows of a work item: a Unit's ``num_rows``, an index Part's ``rows``."""
     return getattr(unit, "num_rows", None) or getattr(unit, "rows", 1)
-
-
-def _own_message(exc: BaseException) -> str:
-    """An embedpipe error a worker raised, as its own message: not Ray's traceback, nor the type's dotted name
-    that Ray's last line starts with (RayTaskError keeps the worker's exception as ``cause``; a failed ``__init__``
-    reaches the driver as Ray's ActorDiedError, its text only). Other errors keep their type's name."""
-    cause = getattr(exc, "cause", None)
-    return str(cause) if isinstance(cause, EmbedpipeError) else EMBEDPIPE_TYPE.sub("", _first_line(exc))
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]  # Ray puts a traceback before the message
-    return lines[-1].strip() if lines else type(exc).__name__
