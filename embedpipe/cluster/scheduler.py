@@ -185,7 +185,7 @@ class Scheduler:
     start_failures: list[StartFailure] = field(default_factory=list)  # workers that did not start, in order
     failed: list[UnitFailure] = field(default_factory=list)
     replaced: int = 0  # actors started to replace dead or stalled ones
-    given_up: int = 0  # slots left empty: their actor could not be placed
+    given_up: int = 0  # slots left empty: their actor could not be placed, or their workers kept failing to start
     depth: int = 1  # units a worker holds; above 1 its actor takes process(unit, ahead=the unit held after it)
 
     def run(self, units: list) -> Iterator:
@@ -288,10 +288,7 @@ class Scheduler:
             self._replace(slot)
             self._slots[slot.index].failed_starts = failed
             return
-        _kill(slot.actor)
-        slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
-        self._requeue(slot)
-        left = sum(s.actor is not None for s in self._slots)
+        left = self._vacate(slot)
         self._gave_up_starting = (f"no worker could start: worker {slot.index} failed to start {failed} times in a "
                                   f"row, last: {error}; fix that and rerun the same command to resume: finished units "
                                   f"are kept")
@@ -335,12 +332,17 @@ class Scheduler:
         self._lost(slot, unit, cause="timeout", error=why, replace=True)
 
     def _give_up(self, slot: _Slot) -> None:
-        _kill(slot.actor)
-        slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
-        self._requeue(slot)  # they never ran there
-        left = sum(s.actor is not None for s in self._slots)
+        left = self._vacate(slot)
         log.warning("worker %d given up: Ray could not place it within %g s (%s); %d worker(s) left",
                     slot.index, self.liveness.placement_timeout_s, self._free_text(), left)
+
+    def _vacate(self, slot: _Slot) -> int:
+        """Give ``slot`` up: its actor killed, its units back to the front of the queue (none of them began there);
+        returns the slots left."""
+        _kill(slot.actor)
+        slot.actor, slot.ready_ref, self.given_up = None, None, self.given_up + 1
+        self._requeue(slot)
+        return sum(s.actor is not None for s in self._slots)
 
     def _no_worker_message(self) -> str:
         cpus, gpus = self.resources.get("CPU", 0), self.resources.get("GPU", 0)
