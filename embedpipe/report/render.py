@@ -112,36 +112,36 @@ def _units_text(r: dict) -> str | None:
             f"{u['retried']} retried, {u['failed']} failed)")
 
 
-def _retried_text(r: dict, *, listed: int = 5) -> str | None:
-    """The units whose attempts were lost, with the cause and the node ("none"); None for older reports."""
+def _listed(r: dict, key: str, one, *, listed: int, sep: str) -> str | None:
+    """``units[key]``'s first ``listed`` entries, each by ``one``, then "and N more"; "none" when empty; None for
+    older reports, which lack the key."""
     u = r.get("units")
-    retries = u.get("retried_units") if isinstance(u, dict) else None
-    if retries is None:
+    items = u.get(key) if isinstance(u, dict) else None
+    if items is None:
         return None
+    more = f" and {len(items) - listed} more" if len(items) > listed else ""
+    return sep.join(one(x) for x in items[:listed]) + more if items else "none"
+
+
+def _on_node(x: dict) -> str:
+    return f" on {x['node']}" if x.get("node") else ""
+
+
+def _retried_text(r: dict) -> str | None:
+    """The units whose attempts were lost, with the cause and the node."""
     causes = {"died": "worker died", "timeout": "worker stalled", "error": "error"}
+    return _listed(r, "retried_units", lambda x: f"{x['unit']} ({causes.get(x['cause'], x['cause'])}{_on_node(x)})",
+                   listed=5, sep=", ")
+
+
+def _failed_starts_text(r: dict, *, error_chars: int = 100) -> str | None:
+    """The workers that did not start, with their node and error (cut at ``error_chars``)."""
 
     def one(x: dict) -> str:
-        where = f" on {x['node']}" if x.get("node") else ""
-        return f"{x['unit']} ({causes.get(x['cause'], x['cause'])}{where})"
-
-    more = f" and {len(retries) - listed} more" if len(retries) > listed else ""
-    return ", ".join(one(x) for x in retries[:listed]) + more if retries else "none"
-
-
-def _failed_starts_text(r: dict, *, listed: int = 3, error_chars: int = 100) -> str | None:
-    """The workers that did not start, with their node and error ("none"); None for older reports."""
-    u = r.get("units")
-    starts = u.get("failed_starts") if isinstance(u, dict) else None
-    if starts is None:
-        return None
-
-    def one(x: dict) -> str:
-        where = f" on {x['node']}" if x.get("node") else ""
         error = x["error"] if len(x["error"]) <= error_chars else x["error"][:error_chars - 1] + "…"
-        return f"worker {x['worker']}{where} ({error})"
+        return f"worker {x['worker']}{_on_node(x)} ({error})"
 
-    more = f" and {len(starts) - listed} more" if len(starts) > listed else ""
-    return "; ".join(one(x) for x in starts[:listed]) + more if starts else "none"
+    return _listed(r, "failed_starts", one, listed=3, sep="; ")
 
 
 def _bad_rows_text(r: dict) -> str | None:
