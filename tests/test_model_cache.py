@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,7 +18,7 @@ import pytest
 
 from embedpipe.models.cache import ModelCacheError, ModelFile, cached_model, materialize
 
-FILES = {"config.json": b'{"model_type": "bert"}', "model.safetensors": os.urandom(300_000),
+FILES = {"config.json": b'{"model_type": "bert"}', "model.safetensors": random.Random(17).randbytes(300_000),
          "1_Pooling/config.json": b'{"pooling_mode_mean_tokens": true}'}
 DIGEST = "5e" * 32  # the model's content hash: the cache takes it as the folder's name
 
@@ -77,7 +77,8 @@ def test_a_damaged_model_folder_is_fetched_again(tmp_path):
 
 
 def test_bytes_that_do_not_match_the_hash_are_refused(tmp_path):
-    changed = {**FILES, "model.safetensors": FILES["model.safetensors"][:-1] + b"\0"}  # same size, other bytes
+    last = FILES["model.safetensors"][-1]
+    changed = {**FILES, "model.safetensors": FILES["model.safetensors"][:-1] + bytes([last ^ 0xFF])}  # same size, other bytes
     with pytest.raises(ModelCacheError, match=r"model file model.safetensors of model .*: the shipped bytes .* are "
                                               r"not the file the driver hashed .* leave it unchanged and rerun"):
         materialize(DIGEST, _files(), Fetcher(changed), root=tmp_path)
