@@ -16,7 +16,7 @@ import pytest
 
 import embedpipe
 from embedpipe.cluster.codeid import CodeId, CodeMismatch, check_same_code, code_id, this_code
-from embedpipe.cluster.scheduler import Liveness, Scheduler
+from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.units import Unit
 from tests.conftest import write_job
 
@@ -85,7 +85,7 @@ class CheckingWorker:
 def test_the_scheduler_never_retries_a_worker_running_other_code(tmp_path, ray_session):
     log = tmp_path / "calls.jsonl"
     other = CodeId(version=this_code().version, digest="0" * 12, where="/elsewhere/embedpipe")
-    actor_cls = ray_session.remote(CheckingWorker).options(num_cpus=0, max_restarts=0)
+    actor_cls = worker_actor(CheckingWorker).options(num_cpus=0, max_restarts=0)
     scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(log), other), workers=1, max_attempts=3,
                           liveness=Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s=30))
     units = [Unit(id=f"00000-{i:05d}", file="corpus.parquet", row_groups=(i,), num_rows=10) for i in range(3)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from embedpipe.cluster.scheduler import Liveness, Scheduler
+from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.units import Unit
 
 pytestmark = pytest.mark.slow
@@ -49,8 +49,8 @@ def _units(n: int) -> list[Unit]:
     return [Unit(id=f"00000-{i:05d}", file="corpus.parquet", row_groups=(i,), num_rows=10) for i in range(n)]
 
 
-def _scheduler(ray, log: Path, *, workers: int, die_on: str = "", depth: int = 2) -> Scheduler:
-    actor_cls = ray.remote(LoggingWorker).options(num_cpus=0, max_restarts=0)
+def _scheduler(log: Path, *, workers: int, die_on: str = "", depth: int = 2) -> Scheduler:
+    actor_cls = worker_actor(LoggingWorker).options(num_cpus=0, max_restarts=0)
     return Scheduler(make_actor=lambda slot: actor_cls.remote(str(log), die_on), workers=workers, max_attempts=3,
                      liveness=LIVENESS, depth=depth)
 
@@ -61,7 +61,7 @@ def _events(log: Path) -> list[dict]:
 
 def test_each_worker_holds_its_next_unit_before_the_current_one_ends(tmp_path, ray_session):
     log = tmp_path / "events.jsonl"
-    done = list(_scheduler(ray_session, log, workers=1).run(_units(4)))
+    done = list(_scheduler(log, workers=1).run(_units(4)))
     assert done == [u.id for u in _units(4)]  # one worker: in order
     events = _events(log)
     arrived = {e["unit"]: e for e in events if e["event"] == "arrived"}
@@ -76,7 +76,7 @@ def test_each_worker_holds_its_next_unit_before_the_current_one_ends(tmp_path, r
 
 def test_few_units_go_to_every_worker_first(tmp_path, ray_session):
     log = tmp_path / "events.jsonl"
-    list(_scheduler(ray_session, log, workers=2).run(_units(2)))
+    list(_scheduler(log, workers=2).run(_units(2)))
     pids = {e["unit"]: e["pid"] for e in _events(log) if e["event"] == "done"}
     assert len(set(pids.values())) == 2  # one unit each, not both queued on the first worker
 
@@ -84,7 +84,7 @@ def test_few_units_go_to_every_worker_first(tmp_path, ray_session):
 def test_a_dead_worker_costs_its_running_unit_an_attempt_and_its_queued_unit_none(tmp_path, ray_session):
     log = tmp_path / "events.jsonl"
     units = _units(3)
-    scheduler = _scheduler(ray_session, log, workers=1, die_on=units[0].id)
+    scheduler = _scheduler(log, workers=1, die_on=units[0].id)
     done = list(scheduler.run(units))
     assert sorted(done) == [u.id for u in units]
     assert [(r.unit.id, r.attempt, r.cause) for r in scheduler.retries] == [(units[0].id, 1, "died")]

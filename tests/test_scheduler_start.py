@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from embedpipe.cluster.scheduler import Liveness, NoWorkerStarted, Scheduler
+from embedpipe.cluster.scheduler import Liveness, NoWorkerStarted, Scheduler, worker_actor
 from embedpipe.units import Unit
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,8 @@ class StartingWorker:
         if len(path.read_text().splitlines()) <= bad_starts:
             if hang:
                 time.sleep(600)
-            raise FileNotFoundError("the model's weights are missing on this node: /models/x/model.safetensors")
+            test = path.parent.name.rstrip("0123456789")  # its own words: Ray's log dedup hides a repeated line
+            raise FileNotFoundError(f"the model's weights are missing on this node: /models/{test}/model.safetensors")
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> str:
         return unit.id
@@ -39,8 +40,8 @@ def _units(n: int) -> list[Unit]:
     return [Unit(id=f"00000-{i:05d}", file="corpus.parquet", row_groups=(i,), num_rows=10) for i in range(n)]
 
 
-def _run(ray, starts: Path, *, bad_starts: int, hang: bool = False, startup_timeout_s: float = 60) -> Scheduler:
-    actor_cls = ray.remote(StartingWorker).options(num_cpus=0, max_restarts=0)
+def _run(starts: Path, *, bad_starts: int, hang: bool = False, startup_timeout_s: float = 60) -> Scheduler:
+    actor_cls = worker_actor(StartingWorker).options(num_cpus=0, max_restarts=0)
     scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(starts), bad_starts, hang), workers=1,
                           max_attempts=3, depth=2,
                           liveness=Liveness(unit_timeout_s=60, startup_timeout_s=startup_timeout_s,
@@ -53,7 +54,7 @@ def _run(ray, starts: Path, *, bad_starts: int, hang: bool = False, startup_time
 def test_a_worker_that_fails_to_start_is_replaced_and_no_unit_loses_an_attempt(tmp_path, ray_session, hang,
                                                                               bad_starts):
     starts = tmp_path / "starts.txt"
-    scheduler = _run(ray_session, starts, bad_starts=bad_starts, hang=hang, startup_timeout_s=3 if hang else 60)
+    scheduler = _run(starts, bad_starts=bad_starts, hang=hang, startup_timeout_s=3 if hang else 60)
     assert len(starts.read_text().splitlines()) == bad_starts + 1  # the failed starts, then one that took every unit
     assert scheduler.replaced == bad_starts and scheduler.given_up == 0
     assert scheduler.retries == [] and scheduler.retried == 0  # no unit paid for the starts
@@ -65,10 +66,38 @@ def test_a_worker_that_fails_to_start_is_replaced_and_no_unit_loses_an_attempt(t
 def test_a_slot_whose_workers_never_start_fails_the_run_with_their_own_error(tmp_path, ray_session):
     starts = tmp_path / "starts.txt"
     with pytest.raises(NoWorkerStarted) as raised:
-        _run(ray_session, starts, bad_starts=99)
+        _run(starts, bad_starts=99)
     line = raised.value.line()
     assert raised.value.exit_code == 4
     assert len(starts.read_text().splitlines()) == 3  # max_attempts starts, then the slot was given up
     assert line.startswith("no worker could start: worker 0 failed to start 3 times in a row, last: "), line
-    assert "the model's weights are missing on this node: /models/x/model.safetensors" in line, line
+    test = tmp_path.name.rstrip("0123456789")
+    assert f"the model's weights are missing on this node: /models/{test}/model.safetensors" in line, line
     assert "memory" not in line and "rerun the same command to resume" in line, line
+
+
+def _forwarded(ray, capfd, marker: str) -> str:
+    """What Ray's ``log_to_driver`` printed on the driver's stderr, up to ``marker``: printed by a task after the
+    run, it comes after every worker line the run caused."""
+
+    @ray.remote(num_cpus=0)
+    def say() -> None:
+        print(marker, file=sys.stderr, flush=True)
+
+    ray.get(say.remote())
+    seen, deadline = "", time.monotonic() + 30
+    while marker not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen += capfd.readouterr().err
+    assert marker in seen, seen
+    return seen
+
+
+def test_a_failed_start_prints_no_traceback_from_ray(tmp_path, ray_session, capfd):
+    starts = tmp_path / "starts.txt"
+    capfd.readouterr()
+    scheduler = _run(starts, bad_starts=1)
+    assert scheduler.start_failures and "the model's weights are missing" in scheduler.start_failures[0].error
+    forwarded = _forwarded(ray_session, capfd, marker=f"after the run in {tmp_path.name}")
+    assert f"/models/{tmp_path.name.rstrip('0123456789')}/" not in forwarded, forwarded  # the driver's line says it
+    assert "creation task" not in forwarded, forwarded

@@ -25,7 +25,7 @@ from embedpipe.cluster.connect import (connect, disconnect, expected_workers, lo
                                        submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
-from embedpipe.cluster.scheduler import Liveness, Scheduler
+from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
 from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental
@@ -232,7 +232,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
-            actor_cls = ray.remote(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
+            actor_cls = worker_actor(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
                                                         num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,

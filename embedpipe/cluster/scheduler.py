@@ -23,6 +23,11 @@ Liveness (``Liveness``): the driver never waits on a worker without a bound.
 - A new actor Ray cannot place within ``placement_timeout_s`` (no free CPU/GPU) is given up
   with a warning; the run goes on with the workers it has and fails (``NoWorkerPlaced``)
   only when none is left.
+
+Its workers are Ray actors of ``worker_actor(cls)``: ``cls`` has ``process(unit[, ahead])``; the wrapper keeps an
+error its ``__init__`` raised and answers ``started()`` with it, as a call's error. The driver then says it in one
+line, as it says a unit's. Raised from ``__init__``, Ray would also print the worker's traceback on the driver's
+terminal (its "Exception raised in creation task" log, forwarded by ``log_to_driver``).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ class _Slot:
     index: int
     actor: Any  # None once given up
     created: float  # time.monotonic() when the actor was asked for
-    ready_ref: Any  # the pending __ray_ready__ call; None once answered
+    ready_ref: Any  # the pending started() call; None once answered
     placed: float | None = None  # when Ray gave it a worker process
     ready: float | None = None  # when its __init__ finished
     failed_starts: int = 0  # this slot's workers that failed to start in a row, before this one
@@ -174,7 +179,7 @@ class _Slot:
 
 @dataclass
 class Scheduler:
-    make_actor: Callable[[int], "ray.actor.ActorHandle"]  # slot -> a new worker actor
+    make_actor: Callable[[int], "ray.actor.ActorHandle"]  # slot -> a new actor of a worker_actor(...) class
     workers: int
     max_attempts: int = 3
     on_error: str = "fail"  # or "skip_unit"
@@ -219,7 +224,7 @@ class Scheduler:
         result = None
         if done:
             slot = pending[done[0]]
-            if done[0] == slot.ready_ref:
+            if slot.ready_ref is not None:  # its start, or a call after it: a start is answered first
                 self._started(slot)
             else:
                 result = self._finished(slot)
@@ -246,13 +251,6 @@ class Scheduler:
             slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
             result = ray.get(call.ref)
-        except rex.RayActorError as exc:  # its __init__ raised: answered before the start's own ref was looked at
-            if not exc.actor_init_failed:
-                return self._failed_call(slot, unit, exc)
-            slot.calls.insert(0, call)  # never began: back to the queue with the units held behind it
-            slot.ready_ref = None
-            self._start_raised(slot, exc)
-            return None
         except InputError as exc:  # RayTaskError subclasses the worker's exception type
             raise InputError(remote_message(exc)) from None
         except CodeMismatch as exc:  # the worker's node runs other embedpipe code: every attempt would fail there
@@ -360,7 +358,7 @@ class Scheduler:
 
     def _start(self, index: int) -> _Slot:
         actor = self.make_actor(index)
-        return _Slot(index=index, actor=actor, created=time.monotonic(), ready_ref=actor.__ray_ready__.remote())
+        return _Slot(index=index, actor=actor, created=time.monotonic(), ready_ref=actor.started.remote())
 
     def _replace(self, slot: _Slot) -> None:
         _kill(slot.actor)
@@ -437,6 +435,31 @@ def disk_problem(exc: BaseException) -> str | None:
     what, fix = DISK_ERRNOS[code]
     return (f"writing failed: {disk} {what} ({os.strerror(code)}); {fix} and rerun the same command to resume: "
             f"finished units are kept")
+
+
+def worker_actor(cls: type) -> Any:
+    """``ray.remote`` of ``cls`` for the Scheduler: an error its ``__init__`` raises is kept and raised by
+    ``started()``, and a ``process`` call queued behind that start returns None without running (the scheduler
+    replaces the worker and requeues the unit). Its process keeps ``cls``'s name (``ray::EmbedWorker``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._start_error = None
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - answered by started(), in the worker's own words
+            self._start_error = exc
+
+    def started(self) -> None:
+        if self._start_error is not None:
+            raise self._start_error
+
+    def process(self, *args, **kwargs):
+        return None if self._start_error is not None else cls.process(self, *args, **kwargs)
+
+    kept = type(cls.__name__, (cls,), {"__init__": __init__, "started": started, "process": process,
+                                       "__doc__": cls.__doc__, "__module__": cls.__module__,
+                                       "__qualname__": f"worker_actor.<locals>.{cls.__name__}"})  # pickled by value
+    return ray.remote(kept)
 
 
 def _placed(actor) -> bool:

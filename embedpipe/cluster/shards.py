@@ -16,7 +16,7 @@ import ray
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.connect import WorkerPlan
 from embedpipe.cluster.nodes import node_name
-from embedpipe.cluster.scheduler import Liveness, Scheduler
+from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.config import ClusterConfig
 from embedpipe.index.build import RunShards
 from embedpipe.index.parts import Part
@@ -29,7 +29,7 @@ def shard_runner(cluster: ClusterConfig, workers: WorkerPlan, *, code: CodeId | 
 
     def run_shards(context: ShardContext, parts: list[Part]) -> Iterator[ShardResult]:
         ref = ray.put(context)
-        actor_cls = ray.remote(CheckedShardWorker).options(num_cpus=workers.cpus_per_worker, max_restarts=0)
+        actor_cls = worker_actor(CheckedShardWorker).options(num_cpus=workers.cpus_per_worker, max_restarts=0)
         scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(ref, index=slot, code=code),
                               workers=min(workers.workers, len(parts)),
                               max_attempts=cluster.max_attempts, on_error="fail",  # a lost shard = a wrong index
