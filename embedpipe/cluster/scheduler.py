@@ -440,7 +440,7 @@ def disk_problem(exc: BaseException) -> str | None:
 def worker_actor(cls: type) -> Any:
     """``ray.remote`` of ``cls`` for the Scheduler: an error its ``__init__`` raises is kept and raised by
     ``started()``, and a ``process`` call queued behind that start returns None without running (the scheduler
-    replaces the worker and requeues the unit). Its process keeps ``cls``'s name (``ray::EmbedWorker``)."""
+    replaces the worker and requeues the unit). Ray knows it by ``cls``'s name (``EmbedWorker``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self._start_error = None
@@ -458,7 +458,8 @@ def worker_actor(cls: type) -> Any:
 
     kept = type(cls.__name__, (cls,), {"__init__": __init__, "started": started, "process": process,
                                        "__doc__": cls.__doc__, "__module__": cls.__module__,
-                                       "__qualname__": f"worker_actor.<locals>.{cls.__name__}"})  # pickled by value
+                                       "__qualname__": cls.__qualname__})  # Ray's class_name; pickled by value
+    # (cloudpickle pickles a class by reference only when its module's attribute of that name is the class itself)
     return ray.remote(kept)
 
 
