@@ -233,7 +233,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
             actor_cls = worker_actor(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
-                                                        num_gpus=workers.gpus_per_worker, max_restarts=0)
+                                                          num_gpus=workers.gpus_per_worker, max_restarts=0)
             scheduler = Scheduler(
                 make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
                                                          threads=workers.cpus_per_worker,
