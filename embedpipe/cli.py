@@ -38,11 +38,16 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 
 class _Stderr(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command)."""
+    """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command), on a line of its
+    own above the progress bar (``tqdm.write`` clears the bar, writes, and draws it again)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.stream = sys.stderr
-        super().emit(record)
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging's own contract: a line that cannot be written is reported, not raised
+            self.handleError(record)
 
 
 def _logging(*, verbose: int, quiet: bool) -> None:

@@ -1,6 +1,8 @@
-"""CLI conventions through the real `embedpipe` command: --version, -q/-v on every command, plain help, and an
-embedded run that prints no Ray or FAISS warning at the default level (their notices show with -v)."""
+"""CLI conventions through the real `embedpipe` command: --version, -q/-v on every command, plain help, an
+embedded run that prints no Ray or FAISS warning at the default level (their notices show with -v), and a warning
+written on a line of its own above the progress bar."""
 
+import logging
 import os
 import re
 import subprocess
@@ -9,8 +11,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from tqdm import tqdm
 
 import embedpipe
+from embedpipe.cli import _logging
 from tests.conftest import QUICKSTART, ROOT, write_job
 from tests.model_helpers import save_tiny_text_model
 
@@ -74,3 +78,13 @@ def test_quiet_still_prints_the_error(tmp_path, small_job):
                     output={"path": str(tmp_path / "out")})
     result = _embedpipe("run", str(job), "-q", "--no-progress")
     assert result.returncode == 5 and result.stderr.startswith("error: "), result.stderr
+
+
+def test_a_warning_during_a_run_is_a_line_above_the_progress_bar_not_in_it(capsys):
+    _logging(verbose=0, quiet=False)
+    with tqdm(total=3, desc="quickstart", unit="rows") as bar:  # the driver's bar (stderr)
+        bar.update(1)
+        logging.getLogger("embedpipe.cluster.scheduler").warning("worker 0 failed to start (1 of 3 in a row)")
+    pieces = re.split(r"[\r\n]", capsys.readouterr().err)  # what a terminal shows: \r returns to the line's start
+    assert "worker 0 failed to start (1 of 3 in a row)" in pieces, pieces  # its own line, not after the bar's text
+
