@@ -245,8 +245,8 @@ class Scheduler:
             slot.calls[0].taken = max(slot.calls[0].taken, now)
 
     def _finished(self, slot: _Slot):
-        call = slot.calls.pop(0)
-        unit, started = call.unit, call.taken if slot.ready is not None else None
+        call = slot.calls.pop(0)  # its worker's start was answered first (_step): the unit's clock ran from taken
+        unit, started = call.unit, call.taken
         if slot.calls:  # the held unit's turn: its clock starts now (its call is made in _fill)
             slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
@@ -257,9 +257,8 @@ class Scheduler:
             raise CodeMismatch(remote_message(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
             return self._failed_call(slot, unit, exc)
-        if started is not None:
-            rate = (time.monotonic() - started) / max(_rows(unit), 1)
-            self._slowest = max(self._slowest or 0.0, rate)
+        rate = (time.monotonic() - started) / max(_rows(unit), 1)
+        self._slowest = max(self._slowest or 0.0, rate)
         return result
 
     def _failed_call(self, slot: _Slot, unit, exc: BaseException) -> None:
