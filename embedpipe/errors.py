@@ -88,7 +88,7 @@ def first_line(exc: BaseException) -> str:
 def remote_message(exc: BaseException) -> str:
     """An error a Ray worker raised, as the driver says it. An embedpipe error in its own words: not Ray's
     traceback, nor the dotted type name Ray's last line starts with (RayTaskError keeps the worker's exception as
-    ``cause``; a failed ``__init__`` reaches the driver as Ray's ActorDiedError, its text only). Other errors keep
-    their type's name."""
+    ``cause``; an error without one, such as Ray's ActorDiedError for an actor whose ``__init__`` raised outside
+    the scheduler's ``worker_actor``, has its text only). Other errors keep their type's name."""
     cause = getattr(exc, "cause", None)
     return str(cause) if isinstance(cause, EmbedpipeError) else EMBEDPIPE_TYPE.sub("", first_line(exc))

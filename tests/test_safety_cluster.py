@@ -98,7 +98,8 @@ def test_an_input_error_raised_in_a_worker_keeps_its_own_words():
 
 
 def test_a_failed_start_keeps_its_own_words_from_rays_text():
-    """A worker's ``__init__`` error reaches the driver as Ray's ActorDiedError, which keeps only its text."""
+    """An actor's ``__init__`` error reaches the driver as Ray's ActorDiedError, which keeps only its text (the
+    scheduler's ``worker_actor`` hands its own workers' errors over whole; this is the text-only case)."""
     from embedpipe.models.cache import ModelCacheError
 
     line = "model cache /c/models/ab: cannot write the model there: point EMBEDPIPE_CACHE_DIR at a writable disk"
