@@ -37,7 +37,7 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Offline batch embedding: Parquet, JSONL, CSV or HF datasets in, vectors out, on local or remote Ray."""
 
 
-class _Stderr(logging.StreamHandler):
+class _Stderr(logging.Handler):
     """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command), on a line of its
     own above the progress bar (``tqdm.write`` clears the bar, writes, and draws it again)."""
 
