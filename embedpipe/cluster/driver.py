@@ -17,7 +17,6 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
-from tqdm.auto import tqdm
 
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.codeid import CodeId, this_code
@@ -25,6 +24,7 @@ from embedpipe.cluster.connect import (connect, disconnect, expected_workers, lo
                                        submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.modelship import ship_model
+from embedpipe.cluster.progress import progress_bar
 from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
@@ -244,8 +244,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker},
                 depth=READ_AHEAD + 1)  # one unit held per worker: it reads that one while it encodes
             per_worker = [Counters() for _ in range(scheduler.workers)]
-            with tqdm(total=sum(u.num_rows for u in todo), unit="rows", disable=not progress, desc=job.name,
-                      dynamic_ncols=True) as bar:
+            with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo):
                     counters = Counters.from_dict(result.counters)
                     this_run.merge(counters)
