@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 import sys
 import time
@@ -66,21 +67,33 @@ def test_lines_ray_forwards_from_a_worker_are_written_above_the_bar(ray_session)
     assert any(BAR.match(p) and "3/3" in p for p in pieces), pieces  # the bar is drawn again, and finishes
 
 
-def test_embedpipe_log_lines_and_partial_writes_keep_off_the_bar():
-    import logging
+@contextmanager
+def _handler_on(handler: logging.StreamHandler, stream: io.StringIO) -> Iterator[None]:
+    """Ray's driver-side log handler writes to the stderr of ``import ray``: in a CLI run, the terminal's."""
+    before = handler.setStream(stream)
+    try:
+        yield
+    finally:
+        handler.setStream(before)
 
+
+def test_log_lines_and_partial_writes_keep_off_the_bar(ray_session):
     from embedpipe.cli import _logging
 
     _logging(verbose=0, quiet=False)
-    with _terminal() as terminal, progress_bar(total=3, desc="quickstart", enabled=True) as bar:
+    ray_handler = next(h for h in logging.getLogger("ray").handlers if type(h).__name__ == "PlainRayHandler")
+    with _terminal() as terminal, _handler_on(ray_handler, terminal), \
+            progress_bar(total=3, desc="quickstart", enabled=True) as bar:
         bar.update(1)
         logging.getLogger("embedpipe.cluster.scheduler").warning("a warning from the scheduler")
+        logging.getLogger("ray").error("an error from Ray's own driver-side logger")
         sys.stderr.write("a line written ")  # in two calls, as print writes the text and then its newline
         bar.update(1)
         sys.stderr.write("in two calls\n")
         sys.stderr.write("no newline before the bar closes")
     pieces = _pieces(terminal)
     assert "a warning from the scheduler" in pieces, pieces
+    assert any(p.endswith("an error from Ray's own driver-side logger") and not BAR.match(p) for p in pieces), pieces
     assert "a line written in two calls" in pieces, pieces
     assert "no newline before the bar closes" in pieces, pieces
 
@@ -101,3 +114,4 @@ def test_the_stream_answers_as_its_own_for_what_it_does_not_write():
     with tqdm(total=1, file=io.StringIO()) as bar:
         stream = LinesAboveTheBar(Tty(), bar=bar)
         assert stream.isatty() and stream.encoding is None and stream.write("x") == 1
+

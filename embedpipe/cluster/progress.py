@@ -1,13 +1,16 @@
 """The driver's progress bar, with every other line of the run above it.
 
 Ray prints its workers' forwarded lines (``(EmbedWorker pid=N) …``, ``log_to_driver``) on the driver's
-``sys.stdout`` and ``sys.stderr`` from a thread of its own, looking the stream up for each batch. A plain write lands
-on the bar's line, after its text. While the bar is shown, both names hold a stream that writes whole lines above the
-bar: it clears the bar, writes, and draws it again, as ``tqdm.write`` does for embedpipe's own log lines (cli.py).
+``sys.stdout`` and ``sys.stderr`` from a thread of its own, looking the stream up for each batch; its driver-side
+logger writes to the stderr its handler was made with, at ``import ray``. A plain write lands on the bar's line, after
+its text. While the bar is shown, both names, and every log handler that writes to either stream, hold a stream that
+writes whole lines above the bar: it clears the bar, writes, and draws it again, as ``tqdm.write`` does for
+embedpipe's own log lines (cli.py).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from contextlib import contextmanager
 from typing import Iterator, TextIO
@@ -51,19 +54,38 @@ class LinesAboveTheBar:
         return getattr(self._stream, name)
 
 
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """Every StreamHandler of every logger made so far, the root's included."""
+    loggers = [logging.getLogger(), *(logger for logger in list(logging.Logger.manager.loggerDict.values())
+                                      if isinstance(logger, logging.Logger))]
+    return [handler for logger in loggers for handler in logger.handlers if isinstance(handler, logging.StreamHandler)]
+
+
+@contextmanager
+def _lines_above(bar: tqdm) -> Iterator[None]:
+    """sys.stdout, sys.stderr, and the log handlers that write to either, write their lines above ``bar``."""
+    out, err = sys.stdout, sys.stderr
+    above = {id(out): LinesAboveTheBar(out, bar=bar), id(err): LinesAboveTheBar(err, bar=bar)}
+    handlers = [(h, h.stream) for h in _stream_handlers() if id(h.stream) in above]
+    sys.stdout, sys.stderr = above[id(out)], above[id(err)]
+    for handler, stream in handlers:
+        handler.setStream(above[id(stream)])
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = out, err
+        for handler, stream in handlers:
+            handler.setStream(stream)
+        for stream in above.values():
+            stream.close_line()
+
+
 @contextmanager
 def progress_bar(*, total: int, desc: str, enabled: bool) -> Iterator[tqdm]:
-    """A rows bar on stderr; while it is shown, sys.stdout and sys.stderr write their lines above it."""
-    out, err = sys.stdout, sys.stderr
-    with tqdm(total=total, unit="rows", disable=not enabled, desc=desc, dynamic_ncols=True, file=err) as bar:
+    """A rows bar on stderr; while it is shown, every other line on stdout or stderr is written above it."""
+    with tqdm(total=total, unit="rows", disable=not enabled, desc=desc, dynamic_ncols=True, file=sys.stderr) as bar:
         if not enabled:
             yield bar
             return
-        streams = LinesAboveTheBar(out, bar=bar), LinesAboveTheBar(err, bar=bar)
-        sys.stdout, sys.stderr = streams
-        try:
+        with _lines_above(bar):
             yield bar
-        finally:
-            sys.stdout, sys.stderr = out, err
-            for stream in streams:
-                stream.close_line()
