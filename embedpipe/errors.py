@@ -77,6 +77,11 @@ class Interrupted(KeyboardInterrupt):
 
 # "embedpipe.models.cache.ModelCacheError: " at the head of Ray's text for an error raised in a worker
 EMBEDPIPE_TYPE = re.compile(r"^embedpipe(?:\.\w+)+: ")
+# What Ray's text for a dead worker says after what happened: a paragraph of advice for any Ray cluster ("Some common
+# causes include: (1) the process was killed by the OOM killer …, (2) ray stop --force was called, … consider
+# enabling resource isolation via --enable-resource-isolation …", Ray 2.60). The driver's line keeps what happened
+# (the exit type and detail) and gives its own advice (cluster/scheduler.py: failure_message).
+RAY_DEATH_ADVICE = re.compile(r"\s*Some common causes include:.*", re.S)
 
 
 def first_line(exc: BaseException) -> str:
@@ -89,6 +94,9 @@ def remote_message(exc: BaseException) -> str:
     """An error a Ray worker raised, as the driver says it. An embedpipe error in its own words: not Ray's
     traceback, nor the dotted type name Ray's last line starts with (RayTaskError keeps the worker's exception as
     ``cause``; an error without one, such as Ray's ActorDiedError for an actor whose ``__init__`` raised outside
-    the scheduler's ``worker_actor``, has its text only). Other errors keep their type's name."""
+    the scheduler's ``worker_actor``, has its text only). Other errors keep their type's name; a dead worker's, what
+    happened without Ray's general advice (``RAY_DEATH_ADVICE``)."""
     cause = getattr(exc, "cause", None)
-    return str(cause) if isinstance(cause, EmbedpipeError) else EMBEDPIPE_TYPE.sub("", first_line(exc))
+    if isinstance(cause, EmbedpipeError):
+        return str(cause)
+    return RAY_DEATH_ADVICE.sub("", EMBEDPIPE_TYPE.sub("", first_line(exc)))

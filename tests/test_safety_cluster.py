@@ -117,6 +117,30 @@ def test_a_failed_start_keeps_its_own_words_from_rays_text():
     assert remote_message(died_starting(OSError("disk"))) == "OSError: disk"  # others keep their type's name
 
 
+def test_a_dead_workers_line_says_what_happened_without_rays_general_advice(ray_session):
+    """A worker killed mid-call: Ray's ActorDiedError, whose text goes on with advice for any Ray cluster (its OOM
+    killer and ``--enable-resource-isolation`` paragraph); the driver's line keeps what happened."""
+
+    @ray_session.remote(num_cpus=0)
+    class Sleeper:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def sleep(self) -> None:
+            time.sleep(60)
+
+    sleeper = Sleeper.remote()
+    pid = ray_session.get(sleeper.pid.remote())
+    call = sleeper.sleep.remote()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(rex.ActorDiedError) as died:
+        ray_session.get(call, timeout=60)
+    assert "Some common causes include" in str(died.value)  # Ray's own text, as of Ray 2.60: what is cut
+    line = remote_message(died.value)
+    assert line.startswith("The actor is dead because its worker process has died.") and "Worker exit type" in line
+    assert "common causes" not in line and "resource-isolation" not in line and "\n" not in line
+
+
 # --------------------------------------------------------------------------- a stopped worker (local Ray)
 
 @pytest.fixture(scope="module")
