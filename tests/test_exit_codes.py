@@ -181,18 +181,20 @@ def _records(out: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum, code, group", [
-    pytest.param(signal.SIGTERM, 143, False, id="SIGTERM"),  # Kubernetes: to the container's main process
-    pytest.param(signal.SIGINT, 130, True, id="SIGINT"),  # Ctrl-C: to the whole group, its local Ray included
+@pytest.mark.parametrize("signum, code, group, progress", [
+    pytest.param(signal.SIGTERM, 143, False, "--no-progress", id="SIGTERM"),  # Kubernetes: to the container's process
+    # Ctrl-C: to the whole group, its local Ray included; a terminal's user, with the progress bar shown (the driver's
+    # stdout and stderr write above it until the signal stops the run: cluster/progress.py)
+    pytest.param(signal.SIGINT, 130, True, "--progress", id="SIGINT"),
 ])
 def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_units, tiny_model, ray_session,
-                                                              signum, code, group):
+                                                              signum, code, group, progress):
     table, folder = many_units
     out = tmp_path / "out"
     job = _job(tmp_path, str(folder), input={"path": str(folder), "unit_rows": 10}, model={"path": str(tiny_model)},
                batching={"max_tokens": 2048})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    driver = subprocess.Popen([sys.executable, "-m", "embedpipe.cli", "run", str(job), "--no-progress"], cwd=ROOT,
+    driver = subprocess.Popen([sys.executable, "-m", "embedpipe.cli", "run", str(job), progress], cwd=ROOT,
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     deadline = time.time() + 300
@@ -206,6 +208,7 @@ def test_a_signal_mid_run_stops_cleanly_and_the_rerun_resumes(tmp_path, many_uni
     _, stderr = driver.communicate(timeout=120)
 
     assert driver.returncode == code, stderr
+    assert ("rows/s" in stderr) == (progress == "--progress"), stderr  # the bar was drawn, or not
     line = _one_line(stderr, "interrupted: rerun the same command to resume")
     done, total = map(int, re.search(r"\((\d+) of (\d+) units done\)", line).groups())
     assert total == 60 and 1 <= done == _records(out) < 60
