@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
@@ -121,7 +121,9 @@ def run(job_file: JobFile, set_: SetOpt = None,
     from embedpipe.io.layout import OutputLayout
     from embedpipe.report.render import render_table
 
-    with _exit_codes(cluster=True):
+    # stdout carries the report alone (`embedpipe run job.yaml > report.txt`): while the job runs, what Ray prints there
+    # (a worker's own stdout, the raylet's "A worker died" errors) goes to stderr with the run's other diagnostics
+    with _exit_codes(cluster=True), redirect_stdout(sys.stderr):
         result = run_job(job, progress=progress, overwrite=overwrite)
     typer.echo(render_table(result.report))
     if "version" in result.report:

@@ -88,3 +88,40 @@ def test_a_warning_during_a_run_is_a_line_above_the_progress_bar_not_in_it(capsy
     pieces = re.split(r"[\r\n]", capsys.readouterr().err)  # what a terminal shows: \r returns to the line's start
     assert "worker 0 failed to start (1 of 3 in a row)" in pieces, pieces  # its own line, not after the bar's text
 
+
+
+def test_a_run_keeps_stdout_for_its_report(small_job, ray_session):
+    """What Ray prints on the driver's stdout while a job runs (a worker's own stdout, the raylet's "A worker died"
+    errors) goes to stderr with the run's other diagnostics: stdout holds the report alone. A chattering actor of
+    this driver's Ray job stands in for them (Ray forwards its lines to sys.stdout as it is when they arrive)."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from embedpipe.cli import app
+
+    @ray_session.remote(num_cpus=0, max_concurrency=2)
+    class Chatter:
+        def __init__(self) -> None:
+            self.quiet = threading.Event()
+
+        def talk(self) -> None:
+            while not self.quiet.wait(0.05):
+                print("chatter from a worker of this job", flush=True)  # digit-free: Ray's dedup drops digits
+
+        def stop(self) -> None:
+            self.quiet.set()
+
+    chatter = Chatter.remote()
+    talking = chatter.talk.remote()
+    try:
+        result = CliRunner().invoke(app, ["run", str(small_job), "--no-progress", "--overwrite"])
+    finally:
+        ray_session.get(chatter.stop.remote())
+        ray_session.get(talking)
+    assert result.exit_code == 0, result.output
+    assert "chatter from a worker" in result.stderr, result.stdout  # during the run: stderr, not stdout
+    # then the report. Lines that reach this shared Ray's driver once run_job has returned still go to stdout, the
+    # actor's last ones among them (an embedded Ray is shut down by then: a plain `embedpipe run` has none)
+    report = [line for line in result.stdout.splitlines() if "chatter from a worker" not in line]
+    assert report[0].startswith("300 rows, ") and report[-1].startswith("report: "), result.stdout
