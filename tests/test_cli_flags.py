@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -90,7 +91,7 @@ def test_a_warning_during_a_run_is_a_line_above_the_progress_bar_not_in_it(capsy
 
 
 
-def test_a_run_keeps_stdout_for_its_report(small_job, ray_session):
+def test_a_run_keeps_stdout_for_its_report(small_job, ray_session, capsys):
     """What Ray prints on the driver's stdout while a job runs (a worker's own stdout, the raylet's "A worker died"
     errors) goes to stderr with the run's other diagnostics: stdout holds the report alone. A chattering actor of
     this driver's Ray job stands in for them (Ray forwards its lines to sys.stdout as it is when they arrive)."""
@@ -114,6 +115,10 @@ def test_a_run_keeps_stdout_for_its_report(small_job, ray_session):
 
     chatter = Chatter.remote()
     talking = chatter.talk.remote()
+    deadline = time.monotonic() + 60
+    while "chatter from a worker" not in capsys.readouterr().out:  # Ray forwards its lines before the run starts
+        assert time.monotonic() < deadline, "Ray forwarded no line of the actor's in 60 s"
+        time.sleep(0.05)
     try:
         result = CliRunner().invoke(app, ["run", str(small_job), "--no-progress", "--overwrite"])
     finally:
