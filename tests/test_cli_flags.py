@@ -90,7 +90,6 @@ def test_a_warning_during_a_run_is_a_line_above_the_progress_bar_not_in_it(capsy
     assert "worker 0 failed to start (1 of 3 in a row)" in pieces, pieces  # its own line, not after the bar's text
 
 
-
 def test_a_run_keeps_stdout_for_its_report(small_job, ray_session, capsys):
     """What Ray prints on the driver's stdout while a job runs (a worker's own stdout, the raylet's "A worker died"
     errors) goes to stderr with the run's other diagnostics: stdout holds the report alone. A chattering actor of
@@ -124,6 +123,7 @@ def test_a_run_keeps_stdout_for_its_report(small_job, ray_session, capsys):
     finally:
         ray_session.get(chatter.stop.remote())
         ray_session.get(talking)
+        ray_session.kill(chatter)  # its worker process goes back: the session's Ray outlives this test
     assert result.exit_code == 0, result.output
     assert "chatter from a worker" in result.stderr, result.stdout  # during the run: stderr, not stdout
     # then the report. Lines that reach this shared Ray's driver once run_job has returned still go to stdout, the

@@ -114,4 +114,3 @@ def test_the_stream_answers_as_its_own_for_what_it_does_not_write():
     with tqdm(total=1, file=io.StringIO()) as bar:
         stream = LinesAboveTheBar(Tty(), bar=bar)
         assert stream.isatty() and stream.encoding is None and stream.write("x") == 1
-
