@@ -37,17 +37,13 @@ def _main(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Offline batch embedding: Parquet, JSONL, CSV or HF datasets in, vectors out, on local or remote Ray."""
 
 
-class _Stderr(logging.Handler):
-    """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command), on a line of its
-    own above the progress bar (``tqdm.write`` clears the bar, writes, and draws it again)."""
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a line is logged (a test runner swaps it per command). While the run's
+    progress bar is shown, that stream writes each line above the bar (cluster/progress.py)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
-        try:
-            tqdm.write(self.format(record), file=sys.stderr)
-        except Exception:  # noqa: BLE001 - logging's own contract: a line that cannot be written is reported, not raised
-            self.handleError(record)
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def _logging(*, verbose: int, quiet: bool) -> None:

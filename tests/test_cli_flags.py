@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from tqdm import tqdm
 
 import embedpipe
 from embedpipe.cli import _logging
+from embedpipe.cluster.progress import progress_bar
 from tests.conftest import QUICKSTART, ROOT, write_job
 from tests.model_helpers import save_tiny_text_model
 
@@ -83,7 +83,7 @@ def test_quiet_still_prints_the_error(tmp_path, small_job):
 
 def test_a_warning_during_a_run_is_a_line_above_the_progress_bar_not_in_it(capsys):
     _logging(verbose=0, quiet=False)
-    with tqdm(total=3, desc="quickstart", unit="rows") as bar:  # the driver's bar (stderr)
+    with progress_bar(total=3, desc="quickstart", enabled=True) as bar:  # the driver's bar (stderr)
         bar.update(1)
         logging.getLogger("embedpipe.cluster.scheduler").warning("worker 0 failed to start (1 of 3 in a row)")
     pieces = re.split(r"[\r\n]", capsys.readouterr().err)  # what a terminal shows: \r returns to the line's start

@@ -4,8 +4,8 @@ Ray prints its workers' forwarded lines (``(EmbedWorker pid=N) …``, ``log_to_d
 ``sys.stdout`` and ``sys.stderr`` from a thread of its own, looking the stream up for each batch; its driver-side
 logger writes to the stderr its handler was made with, at ``import ray``. A plain write lands on the bar's line, after
 its text. While the bar is shown, both names, and every log handler that writes to either stream, hold a stream that
-writes whole lines above the bar: it clears the bar, writes, and draws it again, as ``tqdm.write`` does for
-embedpipe's own log lines (cli.py).
+writes whole lines above the bar: it clears the bar, writes, and draws it again. embedpipe's own log lines (cli.py's
+handler writes to sys.stderr as it is at each line) take the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class LinesAboveTheBar:
         self._stream, self._bar, self._pending = stream, bar, ""
 
     def write(self, text: str) -> int:
-        with type(self._bar).get_lock():  # reentrant: tqdm.write of a log line comes through here holding it
+        with type(self._bar).get_lock():  # reentrant: tqdm.write to this stream comes through here holding it
             head, newline, self._pending = (self._pending + text).rpartition("\n")
             if newline:
                 self._above(head + newline)
