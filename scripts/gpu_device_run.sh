@@ -52,8 +52,8 @@ EOF
 echo "== CUDA tests (timeout ${TESTS_TIMEOUT}s)"
 tests_rc=0
 if "$PY" -c "import pytest" 2>/dev/null; then
-  # shellcheck disable=SC2086
-  timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider $CUDA_TESTS -k "$CUDA_TESTS_K" \
+  # shellcheck disable=SC2086  # -o addopts="": the image has no pytest-xdist (pyproject's addopts asks for it)
+  timeout -k 10 "$TESTS_TIMEOUT" "$PY" -m pytest -q -rs -p no:cacheprovider -o addopts="" $CUDA_TESTS -k "$CUDA_TESTS_K" \
     2>&1 | tee "$OUT/cuda_tests.log"
   tests_rc=${PIPESTATUS[0]}
   [ "$tests_rc" = 124 ] && echo "CUDA tests: timed out after ${TESTS_TIMEOUT}s"

@@ -1,4 +1,7 @@
-"""Shared fixtures: one local Ray per test session, small real corpora, the packaged model."""
+"""Shared fixtures: one local Ray per test session, small real corpora, the packaged model.
+
+The suite runs on two processes (pyproject's addopts: pytest-xdist, ``--dist loadfile``): each is a session of its
+own, with its own Ray, and each test file runs whole in one of them."""
 
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def quickstart_table():
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole session (starting one costs ~5 s); the driver reuses it."""
+    """One local Ray for the whole session, per test process (starting one costs ~5 s); the driver reuses it."""
     import ray
 
     if not ray.is_initialized():

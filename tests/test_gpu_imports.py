@@ -59,8 +59,11 @@ def test_gpu_check_and_its_libraries_import_no_ray_or_faiss(tmp_path):
 def test_the_cuda_tests_import_no_ray_or_faiss(tmp_path):
     files = cuda_tests()
     assert files and all((ROOT / f).is_file() for f in files), files
+    # as the script runs them: the image has no pytest-xdist, and pyproject's addopts asks for it (-n 2)
+    assert '-o addopts=""' in (ROOT / "scripts" / "gpu_device_run.sh").read_text()
     env = shim_env(tmp_path)
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", "-o", "addopts=", *files],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert imported(env) == []
