@@ -6,6 +6,7 @@ own, with its own Ray, and each test file runs whole in one of them."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -51,6 +52,14 @@ def ray_session():
         ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the OS's pick). Tests on two processes (pyproject's addopts) never use a
+    fixed port: Ray's default dashboard port (8265), for one, would be taken by the other process's Ray."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def split_corpus(table, folder: Path, *, files: int, row_group_size: int) -> list[Path]:
@@ -128,11 +137,7 @@ def s3_server():
     """moto's S3 API server on 127.0.0.1 (a free port), for the whole session: its endpoint URL."""
     pytest.importorskip("s3fs")
     server_mod = pytest.importorskip("moto.server")
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     yield f"http://127.0.0.1:{port}"

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,16 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_job
+from tests.conftest import free_port, write_job
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TOKEN = "0123456789abcdef" * 4  # this head's own auth token, independent of ~/.ray/auth_token
@@ -29,10 +22,10 @@ TOKEN = "0123456789abcdef" * 4  # this head's own auth token, independent of ~/.
 @pytest.fixture(scope="module")
 def ray_head():
     """One token-auth head for the module: a refused join changes nothing on it."""
-    port, temp = _free_port(), f"/tmp/ep_head_{os.getpid()}"
+    port, temp = free_port(), f"/tmp/ep_head_{os.getpid()}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-           "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+           "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
            f"--temp-dir={temp}", "--disable-usage-stats"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)
     try:
@@ -82,11 +75,11 @@ def plain_head(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text(TOKEN)
-    port, temp = _free_port(), f"/tmp/ep_plain_head_{os.getpid()}"
+    port, temp = free_port(), f"/tmp/ep_plain_head_{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env |= {"HOME": str(home), "RAY_AUTH_MODE": "disabled"}  # `ray start` would turn token auth on by itself
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-           "--num-cpus=1", "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+           "--num-cpus=1", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
            f"--temp-dir={temp}", "--disable-usage-stats"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)

@@ -31,7 +31,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import ROOT, write_job
+from tests.conftest import ROOT, free_port, write_job
 from tests.test_reliability import corpus  # noqa: F401 - the same fixture: 600 rows, 2 files, 20 units of 30
 
 pytestmark = pytest.mark.slow
@@ -168,8 +168,9 @@ def _main(work: Path) -> None:
     logging.basicConfig(level=logging.WARNING)
     started = time.perf_counter()
     health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "env_vars": {"EMBEDPIPE_CACHE_DIR": str(work / "cache" / "head")}, "_system_config": health})
+    cluster = Cluster(initialize_head=True, head_node_args={  # a free dashboard port: the other test process's Ray
+        "num_cpus": 1, "env_vars": {"EMBEDPIPE_CACHE_DIR": str(work / "cache" / "head")}, "_system_config": health,
+        "dashboard_port": free_port()})
     nodes = [cluster.add_node(num_cpus=1, env_vars={"EMBEDPIPE_CACHE_DIR": str(work / "cache" / f"node{i}")})
              for i in range(2)]
     cluster.wait_for_nodes()

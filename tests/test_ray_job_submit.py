@@ -22,8 +22,8 @@ import pytest
 import requests
 
 from embedpipe.cluster.connect import submitted_job_address
-from tests.conftest import write_job
-from tests.test_cluster_join import _free_port, _stop_head
+from tests.conftest import free_port, write_job
+from tests.test_cluster_join import _stop_head
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -35,15 +35,15 @@ def ray_head_with_jobs(tmp_path):
     temp = tempfile.mkdtemp(prefix="ep_jobs_", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     home = tmp_path / "home"  # no ~/.ray/auth_token: `ray start` would turn token auth on by itself
     home.mkdir()
-    dashboard = _free_port()
+    dashboard = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH", "RAY_ADDRESS"))}
     env |= {"HOME": str(home), "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
             "PYTHONPATH": str(ROOT)}  # the entrypoint and the workers run this checkout's embedpipe
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={_free_port()}", "--node-ip-address=127.0.0.1",
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--port={free_port()}", "--node-ip-address=127.0.0.1",
            "--num-cpus=2", "--num-gpus=0", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}",
-           f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-           f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+           f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+           f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
            f"--temp-dir={temp}", "--disable-usage-stats"]
     log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)

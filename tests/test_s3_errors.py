@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from embedpipe.config import parse_job
 from embedpipe.errors import StorageError
 from embedpipe.io import fs
 from embedpipe.preflight import preflight
-from tests.conftest import write_job
+from tests.conftest import free_port, write_job
 from tests.test_exit_codes import _closed_port, _one_line
 
 pytest.importorskip("s3fs")
@@ -74,9 +73,7 @@ def auth_s3(tmp_path_factory, quickstart_table):
     import boto3
     import requests
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -27,7 +27,7 @@ from embedpipe.cluster.scheduler import Liveness, disk_problem, failure_message,
 from embedpipe.config import ClusterConfig
 from embedpipe.errors import remote_message
 from embedpipe.units import InputError
-from tests.conftest import ROOT, write_job
+from tests.conftest import ROOT, free_port, write_job
 from tests.test_reliability import corpus  # noqa: F401 - the same fixture: 600 rows, 20 units of 30
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -241,8 +241,9 @@ def _main(job_files: list[str]) -> None:
     from tests.test_reliability import _records
 
     logging.basicConfig(level=logging.WARNING)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
-        "health_check_period_ms": 500, "health_check_failure_threshold": 3}})
+    cluster = Cluster(initialize_head=True, head_node_args={  # a free dashboard port: the other test process's Ray
+        "num_cpus": 0, "dashboard_port": free_port(),
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})
     workers = [cluster.add_node(num_cpus=1) for _ in job_files]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING)
