@@ -25,8 +25,8 @@ def ray_head():
     port, temp = free_port(), f"/tmp/ep_head_{os.getpid()}"
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-           "--num-cpus=2", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-           f"--temp-dir={temp}", "--disable-usage-stats"]
+           "--num-cpus=2", "--include-dashboard=false", f"--dashboard-port={free_port()}",
+           f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)
     try:
         yield f"127.0.0.1:{port}"
@@ -79,8 +79,8 @@ def plain_head(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
     env |= {"HOME": str(home), "RAY_AUTH_MODE": "disabled"}  # `ray start` would turn token auth on by itself
     cmd = [str(BIN / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-           "--num-cpus=1", "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-           f"--temp-dir={temp}", "--disable-usage-stats"]
+           "--num-cpus=1", "--include-dashboard=false", f"--dashboard-port={free_port()}",
+           f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120, start_new_session=True, env=env)
         yield f"127.0.0.1:{port}", home
