@@ -55,8 +55,9 @@ def ray_session():
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now (the OS's pick). Tests on two processes (pyproject's addopts) never use a
-    fixed port: Ray's default dashboard port (8265), for one, would be taken by the other process's Ray."""
+    """A TCP port on 127.0.0.1 free now (the OS's pick, closed again): a server of the test's can bind it, and until
+    one does, nothing listens there (an unreachable endpoint). Tests on two processes (pyproject's addopts) never use
+    a fixed port: Ray's default dashboard port (8265), for one, would be taken by the other process's Ray."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

@@ -5,7 +5,6 @@ import ast
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from embedpipe.runtime import Encoder
 from embedpipe.runtime.warmup import WarmupDivergence
 from embedpipe.units import InputError, StorageError
 from embedpipe.versions import RunFailed
-from tests.conftest import split_corpus, write_job
+from tests.conftest import free_port, split_corpus, write_job
 from tests.model_helpers import save_tiny_text_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,15 +110,9 @@ def test_a_bad_row_found_by_a_worker_exits_3_in_its_own_words(tmp_path, ray_sess
     assert "InputError" not in line, line
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:  # bound, then closed: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_s3_endpoint_exits_3_naming_the_url_and_the_endpoint(tmp_path):
     pytest.importorskip("s3fs")
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "AWS_ACCESS_KEY_ID": "dummy",
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "dummy",
            "AWS_SECRET_ACCESS_KEY": "dummy", "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard",
            "AWS_EC2_METADATA_DISABLED": "true"}
     started = time.monotonic()

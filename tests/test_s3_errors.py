@@ -32,7 +32,7 @@ from embedpipe.errors import StorageError
 from embedpipe.io import fs
 from embedpipe.preflight import preflight
 from tests.conftest import free_port, write_job
-from tests.test_exit_codes import _closed_port, _one_line
+from tests.test_exit_codes import _one_line
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -190,7 +190,7 @@ def cli_input(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- input.path, through the CLI
 
 def test_input_endpoint_unreachable_names_the_storage_option(tmp_path, clean_env, auth_s3):
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     line = _run_input(tmp_path, clean_env, CORPUS, {**auth_s3.options("reader"), "endpoint_url": endpoint})
     assert f"cannot reach the store at {endpoint}, set by input.storage_options.endpoint_url" in line
     assert "AWS_ENDPOINT_URL" in line
@@ -280,7 +280,7 @@ def test_output_bucket_missing(output_job, auth_s3):
 
 def test_output_endpoint_unreachable(output_job, auth_s3, monkeypatch):
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
-    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    endpoint = f"http://127.0.0.1:{free_port()}"
     line = _refused(output_job(OUT, {**auth_s3.options("admin"), "endpoint_url": endpoint}))
     assert f"cannot reach the store at {endpoint}, set by output.storage_options.endpoint_url" in line
 

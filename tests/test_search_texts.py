@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from typer.testing import CliRunner
 
 from embedpipe.cli import app
 from embedpipe.io.layout import OutputLayout
-from tests.conftest import ROOT, write_job
+from tests.conftest import ROOT, free_port, write_job
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -105,16 +104,10 @@ def test_texts_come_back_for_every_input_format(outputs, table, fmt):
     assert all(hit["text"] == texts[hit["id"]] for hit in answer["results"])
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]  # closed again when the block ends: nothing listens there
-
-
 def test_an_unreachable_text_source_gives_ids_and_one_warning(outputs, table, tmp_path):
     """The index is local, its input an S3 endpoint nobody answers: ids and scores, one warning line."""
     out = _with_input(outputs["parquet"], tmp_path / "out", path="s3://gone-bucket/corpus.parquet",
-                      storage_options={"endpoint_url": f"http://127.0.0.1:{_closed_port()}", "key": "k",
+                      storage_options={"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k",
                                        "secret": "s", "config_kwargs": {"retries": {"max_attempts": 1}}})
     text, own = table["text"][5].as_py(), table["id"][5].as_py()
     result = CliRunner().invoke(app, ["search", str(out), text, "-k", "3"])
