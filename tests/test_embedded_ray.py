@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,6 +21,15 @@ class Echo:
     def ping(self):
         return "pong"
 
+import embedpipe.cluster.connect as connect_module
+from ray._private import services
+lookup, polls, wait_registered = services.get_node, [], connect_module._wait_registered
+
+def watched_wait(*args, **kwargs):  # what the poll answered during the start
+    polls.append(wait_registered(*args, **kwargs))
+    return polls[-1]
+
+connect_module._wait_registered = watched_wait
 assert connect(ClusterConfig()), "connect started no Ray of its own"
 assert ray.get(Echo.remote().ping.remote(), timeout=60) == "pong"
 from ray._raylet import Config  # this driver's copy of the running Ray's system config
@@ -27,7 +37,8 @@ retries = [Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_cl
 node = worker._global_node
 processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
 monitor = processes[ray_constants.PROCESS_TYPE_MONITOR][0]
-seen = {"monitor alive before": monitor.poll() is None, "connect retries": retries}
+seen = {"monitor alive before": monitor.poll() is None, "connect retries": retries, "registration polls": polls,
+        "lookup restored": services.get_node is lookup}
 shutdown = ray.shutdown
 
 def watched_shutdown(*args, **kwargs):  # what Ray's own shutdown finds when it starts
@@ -45,7 +56,8 @@ print("RESULT " + json.dumps(seen))
 
 
 def test_embedded_ray_start_and_stop():
-    """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms). disconnect
+    """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms), its node's
+    registration polled every 20 ms instead of Ray's 1 s. disconnect
     SIGKILLs the autoscaler's monitor first: Ray stops the GCS before it, and its SIGTERM handler then waits on the
     dead GCS for the 1 s Ray gives it. The rest is Ray's own shutdown, and every process it started exits."""
     done = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=180)
@@ -56,6 +68,8 @@ def test_embedded_ray_start_and_stop():
     assert seen["ray up after"] is False and seen["alive after"] == [], seen
     assert "autoscaler failed" not in done.stderr.lower() + done.stdout.lower()  # no "failure" reported
     assert seen["connect retries"] == [100, 100], seen  # the embedded Ray runs with LOCAL_SYSTEM_CONFIG
+    # the start's lookup of its node polled the GCS and found it there; Ray's own lookup is back in place after
+    assert seen["registration polls"] == [True] and seen["lookup restored"], seen
 
 
 def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):
@@ -79,3 +93,21 @@ def test_disconnect_leaves_a_ray_it_did_not_start(ray_session):
     assert connect(ClusterConfig()) is False  # Ray is up already
     disconnect(False)
     assert ray.is_initialized()
+
+
+def test_registration_poll_against_a_real_gcs(ray_session, monkeypatch):
+    """_wait_registered finds a registered node at once (the session Ray's own); a node the GCS does not list is
+    polled for REGISTRATION_POLL_FOR_S and then left to Ray's own wait (False), as is a GCS nobody answers."""
+    from ray._raylet import GcsClient
+
+    from embedpipe.cluster import connect as connect_module
+    from tests.conftest import free_port
+
+    gcs, node = ray_session.get_runtime_context().gcs_address, ray_session.get_runtime_context().get_node_id()
+    assert connect_module._wait_registered(GcsClient, gcs_address=gcs, node_id=node) is True
+    monkeypatch.setattr(connect_module, "REGISTRATION_POLL_FOR_S", 0.3)
+    began = time.perf_counter()
+    assert connect_module._wait_registered(GcsClient, gcs_address=gcs, node_id="ab" * 28) is False
+    assert 0.3 <= time.perf_counter() - began < 5
+    monkeypatch.setattr(connect_module, "REGISTRATION_ASK_TIMEOUT_S", 0.5)
+    assert connect_module._wait_registered(GcsClient, gcs_address=f"127.0.0.1:{free_port()}", node_id=node) is False

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -104,8 +105,60 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
-                 _system_config=local_system_config())
+        with _registration_polled():
+            ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
+                     _system_config=local_system_config())
+
+
+# The embedded Ray's start asks its GCS for the new node 0.1 s after it starts the raylet, and the C++ lookup behind
+# that ask (GlobalStateAccessor::GetNode) sleeps a whole second between asks. The raylet registers once its dashboard
+# agent has written its ports: 0.9-1.3 s after that first ask on two Zen 4 cores, so Ray's lookup found the node at
+# its second ask (1.0 s) or, in 4 starts of 12, at its third (2.0 s) (Ray 2.60; docs/performance.md, session 28).
+# _registration_polled asks the GCS every REGISTRATION_POLL_EVERY_S first; Ray's own lookup then runs as before and
+# finds the node at its first ask.
+REGISTRATION_POLL_EVERY_S = 0.02
+REGISTRATION_POLL_FOR_S = 30.0  # Ray's own patience for the raylet's registration (Node.__init__, Ray 2.60)
+REGISTRATION_ASK_TIMEOUT_S = 5.0  # one ask; a GCS that does not answer in it leaves the wait to Ray
+
+
+@contextmanager
+def _registration_polled() -> Iterator[None]:
+    """While the embedded Ray starts, its lookup of the new node (``ray._private.services.get_node``) first polls
+    the GCS until the node is registered. Where this Ray's internals lay it out otherwise, nothing is wrapped and the
+    start waits as Ray's own code says; whatever the poll meets, Ray's own lookup still runs and answers."""
+    try:
+        from ray._private import services
+        from ray._raylet import GcsClient
+
+        lookup = services.get_node
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def get_node(gcs_address: str, node_id: str, *args, **kwargs):
+        _wait_registered(GcsClient, gcs_address=gcs_address, node_id=node_id)
+        return lookup(gcs_address, node_id, *args, **kwargs)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = lookup
+
+
+def _wait_registered(client_cls, *, gcs_address: str, node_id: str) -> bool:
+    """Poll the GCS at ``gcs_address`` until it lists ``node_id`` (hex); True when it did. False when the poll timed
+    out or failed (an older or newer Ray's client, the GCS not answering): the caller's own wait takes over."""
+    deadline = time.monotonic() + REGISTRATION_POLL_FOR_S
+    try:
+        client = client_cls(address=gcs_address)
+        while time.monotonic() < deadline:
+            if node_id in {found.hex() for found in client.get_all_node_info(timeout=REGISTRATION_ASK_TIMEOUT_S)}:
+                return True
+            time.sleep(REGISTRATION_POLL_EVERY_S)
+    except Exception as exc:  # noqa: BLE001 - any failure of this shortcut leaves the lookup to Ray as it was
+        log.debug("polling the GCS for the new node failed, Ray's own lookup waits instead: %s", exc)
+    return False
 
 
 # Ray's IPC connects (the raylet's to its own object store among them) retry every
