@@ -114,10 +114,10 @@ def _init(cfg: ClusterConfig) -> None:
 # that ask (GlobalStateAccessor::GetNode) sleeps a whole second between asks. The raylet registers once its dashboard
 # agent has written its ports: 0.9-1.3 s after that first ask on two Zen 4 cores, so Ray's lookup found the node at
 # its second ask (1.0 s) or, in 4 starts of 12, at its third (2.0 s) (Ray 2.60; docs/performance.md, session 28).
-# _registration_polled asks the GCS every REGISTRATION_POLL_EVERY_S first; Ray's own lookup then runs as before and
-# finds the node at its first ask.
+# _registration_polled asks the GCS every REGISTRATION_POLL_EVERY_S first, for at most REGISTRATION_POLL_FOR_S; Ray's
+# own lookup then runs as before, and finds the node at its first ask.
 REGISTRATION_POLL_EVERY_S = 0.02
-REGISTRATION_POLL_FOR_S = 30.0  # Ray's own patience for the raylet's registration (Node.__init__, Ray 2.60)
+REGISTRATION_POLL_FOR_S = 10.0  # then Ray's own lookup waits on, as long as Ray allows (30 s in Node.__init__, 2.60)
 REGISTRATION_ASK_TIMEOUT_S = 5.0  # one ask; a GCS that does not answer in it leaves the wait to Ray
 
 
@@ -136,7 +136,8 @@ def _registration_polled() -> Iterator[None]:
         return
 
     def get_node(gcs_address: str, node_id: str, *args, **kwargs):
-        _wait_registered(GcsClient, gcs_address=gcs_address, node_id=node_id)
+        if isinstance(node_id, str):  # the hex id Ray 2.60 passes; anything else is left to Ray's lookup alone
+            _wait_registered(GcsClient, gcs_address=gcs_address, node_id=node_id)
         return lookup(gcs_address, node_id, *args, **kwargs)
 
     services.get_node = get_node
