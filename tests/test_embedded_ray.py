@@ -97,17 +97,13 @@ def test_disconnect_leaves_a_ray_it_did_not_start(ray_session):
 
 def test_registration_poll_against_a_real_gcs(ray_session, monkeypatch):
     """_wait_registered finds a registered node at once (the session Ray's own); a node the GCS does not list is
-    polled for REGISTRATION_POLL_FOR_S and then left to Ray's own wait (False), as is a GCS nobody answers."""
-    from ray._raylet import GcsClient
-
+    polled for REGISTRATION_POLL_FOR_S and then left to Ray's own wait (False), as is an address Ray's client refuses.
+    (A GCS nobody answers holds Ray's client 40 s: not a case of an embedded start, whose GCS has just answered Ray.)"""
     from embedpipe.cluster import connect as connect_module
-    from tests.conftest import free_port
-
     gcs, node = ray_session.get_runtime_context().gcs_address, ray_session.get_runtime_context().get_node_id()
-    assert connect_module._wait_registered(GcsClient, gcs_address=gcs, node_id=node) is True
+    assert connect_module._wait_registered(gcs_address=gcs, node_id=node) is True
     monkeypatch.setattr(connect_module, "REGISTRATION_POLL_FOR_S", 0.3)
     began = time.perf_counter()
-    assert connect_module._wait_registered(GcsClient, gcs_address=gcs, node_id="ab" * 28) is False
+    assert connect_module._wait_registered(gcs_address=gcs, node_id="ab" * 28) is False
     assert 0.3 <= time.perf_counter() - began < 5
-    monkeypatch.setattr(connect_module, "REGISTRATION_ASK_TIMEOUT_S", 0.5)
-    assert connect_module._wait_registered(GcsClient, gcs_address=f"127.0.0.1:{free_port()}", node_id=node) is False
+    assert connect_module._wait_registered(gcs_address="not-an-address", node_id=node) is False

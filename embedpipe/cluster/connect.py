@@ -128,7 +128,6 @@ def _registration_polled() -> Iterator[None]:
     start waits as Ray's own code says; whatever the poll meets, Ray's own lookup still runs and answers."""
     try:
         from ray._private import services
-        from ray._raylet import GcsClient
 
         lookup = services.get_node
     except (ImportError, AttributeError):
@@ -137,7 +136,7 @@ def _registration_polled() -> Iterator[None]:
 
     def get_node(gcs_address: str, node_id: str, *args, **kwargs):
         if isinstance(node_id, str):  # the hex id Ray 2.60 passes; anything else is left to Ray's lookup alone
-            _wait_registered(GcsClient, gcs_address=gcs_address, node_id=node_id)
+            _wait_registered(gcs_address=gcs_address, node_id=node_id)
         return lookup(gcs_address, node_id, *args, **kwargs)
 
     services.get_node = get_node
@@ -147,12 +146,14 @@ def _registration_polled() -> Iterator[None]:
         services.get_node = lookup
 
 
-def _wait_registered(client_cls, *, gcs_address: str, node_id: str) -> bool:
+def _wait_registered(*, gcs_address: str, node_id: str) -> bool:
     """Poll the GCS at ``gcs_address`` until it lists ``node_id`` (hex); True when it did. False when the poll timed
-    out or failed (an older or newer Ray's client, the GCS not answering): the caller's own wait takes over."""
+    out or failed (another Ray's client, the GCS not answering): the caller's own wait takes over."""
     deadline = time.monotonic() + REGISTRATION_POLL_FOR_S
     try:
-        client = client_cls(address=gcs_address)
+        from ray._raylet import GcsClient
+
+        client = GcsClient(address=gcs_address)
         while time.monotonic() < deadline:
             if node_id in {found.hex() for found in client.get_all_node_info(timeout=REGISTRATION_ASK_TIMEOUT_S)}:
                 return True
