@@ -100,7 +100,9 @@ def test_registration_poll_against_a_real_gcs(ray_session, monkeypatch):
     polled for REGISTRATION_POLL_FOR_S and then left to Ray's own wait (False), as is an address Ray's client refuses.
     (A GCS nobody answers holds Ray's client 40 s: not a case of an embedded start, whose GCS has just answered Ray.)"""
     from embedpipe.cluster import connect as connect_module
-    gcs, node = ray_session.get_runtime_context().gcs_address, ray_session.get_runtime_context().get_node_id()
+
+    context = ray_session.get_runtime_context()
+    gcs, node = context.gcs_address, context.get_node_id()
     assert connect_module._wait_registered(gcs_address=gcs, node_id=node) is True
     monkeypatch.setattr(connect_module, "REGISTRATION_POLL_FOR_S", 0.3)
     began = time.perf_counter()
