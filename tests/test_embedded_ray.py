@@ -23,7 +23,9 @@ class Echo:
 
 import embedpipe.cluster.connect as connect_module
 from ray._private import services
+from ray._private.node import Node
 lookup, polls, wait_registered = services.get_node, [], connect_module._wait_registered
+start_api_server = Node.start_api_server
 
 def watched_wait(*args, **kwargs):  # what the poll answered during the start
     polls.append(wait_registered(*args, **kwargs))
@@ -38,7 +40,13 @@ node = worker._global_node
 processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
 monitor = processes[ray_constants.PROCESS_TYPE_MONITOR][0]
 seen = {"monitor alive before": monitor.poll() is None, "connect retries": retries, "registration polls": polls,
-        "lookup restored": services.get_node is lookup}
+        "lookup restored": services.get_node is lookup, "processes": sorted(processes),
+        "dashboard start restored": Node.start_api_server is start_api_server,
+        "dashboard address": (ray.experimental.internal_kv._internal_kv_get(
+            ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD) or b"").decode()}
+time.sleep(1.5)  # the node's dashboard agent looks for the head's address once a second from its start
+with open(node.get_session_dir_path() + "/logs/dashboard_agent.log") as agent_log:
+    seen["agent lookup failed"] = "Get dashboard http address failed" in agent_log.read()
 shutdown = ray.shutdown
 
 def watched_shutdown(*args, **kwargs):  # what Ray's own shutdown finds when it starts
@@ -60,6 +68,8 @@ def test_embedded_ray_start_and_stop():
     registration polled every 20 ms instead of Ray's 1 s. disconnect
     SIGKILLs the autoscaler's monitor first: Ray stops the GCS before it, and its SIGTERM handler then waits on the
     dead GCS for the 1 s Ray gives it. The rest is Ray's own shutdown, and every process it started exits."""
+    from ray._private import ray_constants
+
     done = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -70,6 +80,12 @@ def test_embedded_ray_start_and_stop():
     assert seen["connect retries"] == [100, 100], seen  # the embedded Ray runs with LOCAL_SYSTEM_CONFIG
     # the start's lookup of its node polled the GCS and found it there; Ray's own lookup is back in place after
     assert seen["registration polls"] == [True] and seen["lookup restored"], seen
+    # no dashboard head: its address is one nobody serves, as the head's own is with no dashboard; the node's agent
+    # finds it, and logs no failed lookup
+    assert ray_constants.PROCESS_TYPE_DASHBOARD not in seen["processes"], seen
+    assert {"raylet", "gcs_server", "log_monitor"} <= set(seen["processes"]), seen
+    assert seen["dashboard address"] == "127.0.0.1:0" and seen["dashboard start restored"], seen
+    assert seen["agent lookup failed"] is False, seen
 
 
 def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):
@@ -109,3 +125,25 @@ def test_registration_poll_against_a_real_gcs(ray_session, monkeypatch):
     assert connect_module._wait_registered(gcs_address=gcs, node_id="ab" * 28) is False
     assert 0.3 <= time.perf_counter() - began < 5
     assert connect_module._wait_registered(gcs_address="not-an-address", node_id=node) is False
+
+
+def test_no_dashboard_head_falls_back_to_rays_own_start(monkeypatch):
+    """Where the address cannot be published, the start is Ray's own (its dashboard head started), and Ray's method is
+    back in place after the embedded start: the shortcut never costs a start."""
+    from ray._private.node import Node
+
+    from embedpipe.cluster.connect import _no_dashboard_head
+
+    started = []
+    monkeypatch.setattr(Node, "start_api_server", lambda self, **kwargs: started.append(kwargs))
+    rays_own = Node.start_api_server
+
+    class NoGcsYet:  # a node whose GCS client is not there
+        def get_gcs_client(self):
+            raise ConnectionError("no GCS")
+
+    with _no_dashboard_head():
+        assert Node.start_api_server is not rays_own
+        Node.start_api_server(NoGcsYet(), include_dashboard=False, raise_on_failure=False)
+    assert started == [{"include_dashboard": False, "raise_on_failure": False}]
+    assert Node.start_api_server is rays_own

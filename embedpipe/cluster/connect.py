@@ -105,7 +105,7 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        with _registration_polled():
+        with _registration_polled(), _no_dashboard_head():
             ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
                      _system_config=local_system_config())
 
@@ -161,6 +161,43 @@ def _wait_registered(*, gcs_address: str, node_id: str) -> bool:
     except Exception as exc:  # noqa: BLE001 - any failure of this shortcut leaves the lookup to Ray as it was
         log.debug("polling the GCS for the new node failed, Ray's own lookup waits instead: %s", exc)
     return False
+
+
+# Asked for no dashboard (include_dashboard=False), Ray 2.60 still starts its dashboard head: a Python process that
+# loads one module (usage stats, which ray.init turns off for a local Ray), serves no HTTP, and publishes the address
+# of its unserved HTTP port. The embedded start waits for that address before it starts the raylet: 0.9-1.0 s of every
+# start, and a process importing on the workers' cores (docs/performance.md, session 29). _no_dashboard_head starts
+# none, and publishes an address nothing can listen on (port 0) where Ray's agents look for the head's; without it,
+# the node's dashboard agent logs a failed lookup every second for the whole run.
+NO_DASHBOARD_ADDRESS = b"127.0.0.1:0"
+
+
+@contextmanager
+def _no_dashboard_head() -> Iterator[None]:
+    """While the embedded Ray starts, its head starts no dashboard process. Where this Ray's internals lay it out
+    otherwise, nothing is wrapped; where publishing the address fails, Ray starts its dashboard head as it always did."""
+    try:
+        from ray._private import ray_constants
+        from ray._private.node import Node
+
+        start = Node.start_api_server
+        key, namespace = ray_constants.DASHBOARD_ADDRESS.encode(), ray_constants.KV_NAMESPACE_DASHBOARD
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def start_api_server(self, *args, **kwargs):
+        try:
+            self.get_gcs_client().internal_kv_put(key, NO_DASHBOARD_ADDRESS, True, namespace)
+        except Exception as exc:  # noqa: BLE001 - any failure of this shortcut leaves the start to Ray as it was
+            log.debug("publishing no dashboard failed, Ray starts its dashboard head instead: %s", exc)
+            return start(self, *args, **kwargs)
+
+    Node.start_api_server = start_api_server
+    try:
+        yield
+    finally:
+        Node.start_api_server = start
 
 
 # Ray's IPC connects (the raylet's to its own object store among them) retry every
