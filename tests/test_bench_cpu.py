@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SHARED_DATA, needs_shared_data
 
-CORPUS = ROOT.parent / "shared" / "data" / "linux_kernel_docs_paragraphs.parquet"
+CORPUS = SHARED_DATA / "linux_kernel_docs_paragraphs.parquet"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CORPUS.exists(), reason="../shared/data is absent (a user's clone)")
+@needs_shared_data
 def test_bench_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_cpu.py"), "--rows", "60", "--repeats", "1", "--chunks", "2",

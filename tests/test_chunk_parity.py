@@ -10,13 +10,13 @@ import torch
 from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, RuntimeConfig
 from embedpipe.report.counters import Counters
 from embedpipe.runtime import Encoder
-from tests.conftest import SHARED_DATA
+from tests.conftest import shared_data
 
 
 @pytest.fixture(scope="module")
 def pages() -> list[str]:
     """4 real kernel-docs pages (their paragraphs joined by blank lines, ~6k tokens) and 4 short rows."""
-    table = pq.read_table(SHARED_DATA / "linux_kernel_docs_paragraphs.parquet", columns=["source_doc", "text"])
+    table = pq.read_table(shared_data("linux_kernel_docs_paragraphs.parquet"), columns=["source_doc", "text"])
     table = table.slice(0, 1500)
     grouped: dict[str, list[str]] = {}
     for doc, text in zip(table.column("source_doc").to_pylist(), table.column("text").to_pylist()):

@@ -9,15 +9,15 @@ from tokenizers import Tokenizer
 
 from embedpipe.text.chunking import MID, SPACE, Chunker, boundary_rank
 from embedpipe.text.tokenizer import TextTokenizer
-from tests.conftest import SHARED_DATA
+from tests.conftest import shared_data
 
-KERNEL = SHARED_DATA / "linux_kernel_docs_paragraphs.parquet"
 
 
 @pytest.fixture(scope="module")
 def documents() -> list[str]:
     """Real documents: the paragraphs of each kernel-docs page joined by blank lines (40 pages)."""
-    table = pq.read_table(KERNEL, columns=["source_doc", "text"]).slice(0, 6000)
+    kernel = shared_data("linux_kernel_docs_paragraphs.parquet")
+    table = pq.read_table(kernel, columns=["source_doc", "text"]).slice(0, 6000)
     pages: dict[str, list[str]] = {}
     for doc, text in zip(table.column("source_doc").to_pylist(), table.column("text").to_pylist()):
         pages.setdefault(doc, []).append(text)

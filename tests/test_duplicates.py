@@ -19,7 +19,7 @@ import pytest
 import embedpipe.io.duplicates as duplicates
 from embedpipe.errors import InputError
 from embedpipe.io.duplicates import IdOccurrences, id_keys
-from tests.conftest import ROOT
+from tests.conftest import ROOT, needs_shared_data
 from tests.test_preflight import _job
 
 
@@ -144,7 +144,7 @@ def test_preflight_drops_only_true_duplicates_when_keys_collide(tmp_path, monkey
     assert preflight(_job(tmp_path, tmp_path / "*.parquet")).duplicate_rows == 0  # 7 ids of one length: no repeat
 
 
-@pytest.mark.skipif(not (ROOT.parent / "shared" / "data").exists(), reason="../shared/data is absent (a user's clone)")
+@needs_shared_data
 def test_bench_duplicates_runs_and_every_contender_drops_the_repeats():
     """scripts/bench_duplicates.py on a small sample, so it cannot rot (it asserts each contender's drops)."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_duplicates.py"), "--rows", "30000",

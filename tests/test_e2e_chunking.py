@@ -21,7 +21,7 @@ from embedpipe.cli import app
 from embedpipe.cluster.driver import run_job
 from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, RuntimeConfig, load_job
 from embedpipe.runtime import Encoder
-from tests.conftest import SHARED_DATA, write_job
+from tests.conftest import shared_data, write_job
 from tests.test_reliability import _worker_pids
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ CHUNKING = {"mode": "split", "max_tokens": 64, "overlap": 8}
 @pytest.fixture(scope="module")
 def documents() -> pa.Table:
     """40 real documents: runs of 4 consecutive kernel-docs paragraphs (ids int64: their type is kept)."""
-    texts = pq.read_table(SHARED_DATA / "linux_kernel_docs_paragraphs.parquet", columns=["text"]).slice(0, 160)
+    texts = pq.read_table(shared_data("linux_kernel_docs_paragraphs.parquet"), columns=["text"]).slice(0, 160)
     paragraphs = texts.column("text").to_pylist()
     docs = ["\n\n".join(paragraphs[i:i + 4]) for i in range(0, 160, 4)]
     return pa.table({"id": pa.array(np.arange(1000, 1040), pa.int64()), "text": docs})
@@ -174,7 +174,7 @@ def test_incremental_night_reencodes_exactly_changed_and_added_documents(tmp_pat
     changed, deleted = set(ids[0:4]), set(ids[10:13])
     new = {i: (t + "\n\nA revised closing paragraph." if i in changed else t)
            for i, t in zip(ids, texts) if i not in deleted}
-    extra = pq.read_table(SHARED_DATA / "linux_kernel_docs_paragraphs.parquet", columns=["text"]).slice(400, 12)
+    extra = pq.read_table(shared_data("linux_kernel_docs_paragraphs.parquet"), columns=["text"]).slice(400, 12)
     added = {2000 + k: "\n\n".join(extra["text"].to_pylist()[3 * k:3 * k + 3]) for k in range(4)}
     new.update(added)
     table = pa.table({"id": pa.array(list(new), pa.int64()), "text": list(new.values())})

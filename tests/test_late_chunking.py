@@ -16,7 +16,7 @@ from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, Runtim
 from embedpipe.report.counters import Counters
 from embedpipe.runtime import Encoder
 from embedpipe.text.chunking import plan_windows
-from tests.conftest import SHARED_DATA
+from tests.conftest import shared_data
 from tests.model_helpers import randomize_norms_
 from tests.test_models_modernbert import TINY as TINY_MODERNBERT
 from tests.test_models_qwen3 import TINY as TINY_QWEN3
@@ -45,7 +45,7 @@ def tiny(request, tmp_path_factory, minilm_dir):
 @pytest.fixture(scope="module")
 def documents() -> list[str]:
     """3 real documents of a few hundred tokens (kernel-docs paragraphs joined), one short row, one empty."""
-    texts = pq.read_table(SHARED_DATA / "linux_kernel_docs_paragraphs.parquet", columns=["text"]).slice(0, 30)
+    texts = pq.read_table(shared_data("linux_kernel_docs_paragraphs.parquet"), columns=["text"]).slice(0, 30)
     paragraphs = texts.column("text").to_pylist()
     return ["\n\n".join(paragraphs[i:i + 8]) for i in (0, 8, 16)] + [paragraphs[25], ""]
 
