@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -107,11 +108,17 @@ def test_runs_judging_the_same_stale_lock_together_end_with_exactly_one_holder(s
 
 def test_a_run_whose_lock_was_taken_over_stops_at_its_next_heartbeat(s3_bucket, monkeypatch):
     monkeypatch.setattr(lock_mod, "HEARTBEAT_SECONDS", 0.1)
+    # SIGINT handled by Python, as in a run (run_job's handler): a process started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and the heartbeat then cannot interrupt this bare lock's body
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     began = time.monotonic()
-    with pytest.raises(LockLost, match=r"taken over by another run \(host other-node, pid 7"):
-        with OutputLock(join(s3_bucket, "out")):
-            _plant(_lock_url(s3_bucket), host="other-node", pid=7)  # another run took it over
-            time.sleep(10)  # the run's work: interrupted by the heartbeat
+    try:
+        with pytest.raises(LockLost, match=r"taken over by another run \(host other-node, pid 7"):
+            with OutputLock(join(s3_bucket, "out")):
+                _plant(_lock_url(s3_bucket), host="other-node", pid=7)  # another run took it over
+                time.sleep(10)  # the run's work: interrupted by the heartbeat
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - began < 5
     assert _read(_lock_url(s3_bucket))["host"] == "other-node"  # the new holder's lock is left alone
 
