@@ -25,7 +25,7 @@ import embedpipe.cluster.connect as connect_module
 from ray._private import services
 from ray._private.node import Node
 lookup, polls, wait_registered = services.get_node, [], connect_module._wait_registered
-start_api_server = Node.start_api_server
+start_api_server, start_monitor = Node.start_api_server, Node.start_monitor
 
 def watched_wait(*args, **kwargs):  # what the poll answered during the start
     polls.append(wait_registered(*args, **kwargs))
@@ -38,22 +38,15 @@ from ray._raylet import Config  # this driver's copy of the running Ray's system
 retries = [Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_client_num_connect_attempts()]
 node = worker._global_node
 processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
-monitor = processes[ray_constants.PROCESS_TYPE_MONITOR][0]
-seen = {"monitor alive before": monitor.poll() is None, "connect retries": retries, "registration polls": polls,
+seen = {"connect retries": retries, "registration polls": polls,
         "lookup restored": services.get_node is lookup, "processes": sorted(processes),
         "dashboard start restored": Node.start_api_server is start_api_server,
+        "monitor start restored": Node.start_monitor is start_monitor,
         "dashboard address": (ray.experimental.internal_kv._internal_kv_get(
             ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD) or b"").decode()}
 time.sleep(1.5)  # the node's dashboard agent looks for the head's address once a second from its start
 with open(node.get_session_dir_path() + "/logs/dashboard_agent.log") as agent_log:
     seen["agent lookup failed"] = "Get dashboard http address failed" in agent_log.read()
-shutdown = ray.shutdown
-
-def watched_shutdown(*args, **kwargs):  # what Ray's own shutdown finds when it starts
-    seen["monitor exit code at ray.shutdown"] = monitor.poll()
-    return shutdown(*args, **kwargs)
-
-ray.shutdown = watched_shutdown
 began = time.perf_counter()
 disconnect(True)
 seen["seconds"] = round(time.perf_counter() - began, 3)
@@ -65,16 +58,13 @@ print("RESULT " + json.dumps(seen))
 
 def test_embedded_ray_start_and_stop():
     """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms), its node's
-    registration polled every 20 ms instead of Ray's 1 s. disconnect
-    SIGKILLs the autoscaler's monitor first: Ray stops the GCS before it, and its SIGTERM handler then waits on the
-    dead GCS for the 1 s Ray gives it. The rest is Ray's own shutdown, and every process it started exits."""
+    registration polled every 20 ms instead of Ray's 1 s, and neither a dashboard head nor an autoscaler monitor.
+    disconnect is Ray's own shutdown, and every process it started exits."""
     from ray._private import ray_constants
 
     done = subprocess.run([sys.executable, "-c", STOP], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert seen["monitor alive before"], seen
-    assert seen["monitor exit code at ray.shutdown"] == -9, seen  # killed by disconnect, not by Ray's fallback
     assert seen["ray up after"] is False and seen["alive after"] == [], seen
     assert "autoscaler failed" not in done.stderr.lower() + done.stdout.lower()  # no "failure" reported
     assert seen["connect retries"] == [100, 100], seen  # the embedded Ray runs with LOCAL_SYSTEM_CONFIG
@@ -83,9 +73,25 @@ def test_embedded_ray_start_and_stop():
     # no dashboard head: its address is one nobody serves, as the head's own is with no dashboard; the node's agent
     # finds it, and logs no failed lookup
     assert ray_constants.PROCESS_TYPE_DASHBOARD not in seen["processes"], seen
+    assert ray_constants.PROCESS_TYPE_MONITOR not in seen["processes"] and seen["monitor start restored"], seen
     assert {"raylet", "gcs_server", "log_monitor"} <= set(seen["processes"]), seen
     assert seen["dashboard address"] == "127.0.0.1:0" and seen["dashboard start restored"], seen
     assert seen["agent lookup failed"] is False, seen
+
+
+def test_disconnect_kills_a_monitor_first(ray_session):
+    """A monitor started all the same (this Ray's internals laid out otherwise) is SIGKILLed before Ray's shutdown:
+    Ray stops the GCS before it, and its SIGTERM handler then waits on the dead GCS for the 1 s Ray gives it. Here,
+    on the session Ray's own monitor (started by a plain ray.init; nothing of a test needs it)."""
+    from ray._private import ray_constants, worker
+
+    from embedpipe.cluster.connect import _kill_autoscaler_monitor
+
+    monitors = [info.process for info in worker._global_node.all_processes[ray_constants.PROCESS_TYPE_MONITOR]]
+    assert monitors and all(p.poll() is None for p in monitors)
+    _kill_autoscaler_monitor()
+    assert [p.poll() for p in monitors] == [-9] * len(monitors)
+    assert ray_session.is_initialized()
 
 
 def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):

@@ -42,8 +42,9 @@ def disconnect(started: bool) -> None:
     Ray's shutdown stops its processes one by one, each given 1 s to exit on SIGTERM before a SIGKILL. It stops the
     GCS before the autoscaler's monitor, whose SIGTERM handler then reports its "failure" to that GCS and waits on
     it until the SIGKILL comes: 1 s of every embedded run's wall (Ray 2.60; docs/performance.md, session 22). The
-    monitor has nothing to scale on one machine, so it is sent the SIGKILL first, while the rest of the shutdown
-    stays Ray's own (SIGTERM first, the raylet reaping its workers)."""
+    monitor has nothing to scale on one machine: the embedded start runs none (_no_autoscaler_monitor), and one
+    started all the same is sent the SIGKILL first, while the rest of the shutdown stays Ray's own (SIGTERM first,
+    the raylet reaping its workers)."""
     if not started:
         return
     _kill_autoscaler_monitor()
@@ -105,7 +106,7 @@ def _init(cfg: ClusterConfig) -> None:
         cpus = os.cpu_count() or 1
         wanted = (cfg.workers or 1) * (cfg.cpus_per_worker or 1)
         # "local": a new embedded instance, never a cluster found through RAY_ADDRESS or `ray start`
-        with _registration_polled(), _no_dashboard_head():
+        with _registration_polled(), _no_dashboard_head(), _no_autoscaler_monitor():
             ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
                      _system_config=local_system_config())
 
@@ -198,6 +199,30 @@ def _no_dashboard_head() -> Iterator[None]:
         yield
     finally:
         Node.start_api_server = start
+
+
+# The autoscaler's monitor has nothing to scale on one machine: a Python process importing Ray's autoscaler (0.55
+# CPU-seconds) on the workers' two cores while the embedded Ray starts, for 0.3 s of the start's wall (session 29).
+# `ray start --no-monitor` skips it; ray.init has no such option, so _no_autoscaler_monitor does what it does.
+
+
+@contextmanager
+def _no_autoscaler_monitor() -> Iterator[None]:
+    """While the embedded Ray starts, its head starts no autoscaler monitor (as ``ray start --no-monitor``). Where
+    this Ray's internals lay it out otherwise, nothing is wrapped, and Ray starts its monitor (which disconnect then
+    kills first)."""
+    try:
+        from ray._private.node import Node
+
+        start = Node.start_monitor
+    except (ImportError, AttributeError):
+        yield
+        return
+    Node.start_monitor = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        Node.start_monitor = start
 
 
 # Ray's IPC connects (the raylet's to its own object store among them) retry every
