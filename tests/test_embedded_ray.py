@@ -1,4 +1,4 @@
-"""The embedded local Ray: started by connect, stopped by disconnect (in a process of its own, not the session Ray)."""
+"""The embedded local Ray: started by connect (its start trimmed by cluster/embedded.py), stopped by disconnect."""
 
 import json
 import subprocess
@@ -21,17 +21,17 @@ class Echo:
     def ping(self):
         return "pong"
 
-import embedpipe.cluster.connect as connect_module
+import embedpipe.cluster.embedded as embedded
 from ray._private import services
 from ray._private.node import Node
-lookup, polls, wait_registered = services.get_node, [], connect_module._wait_registered
+lookup, polls, wait_registered = services.get_node, [], embedded._wait_registered
 start_api_server, start_monitor = Node.start_api_server, Node.start_monitor
 
 def watched_wait(*args, **kwargs):  # what the poll answered during the start
     polls.append(wait_registered(*args, **kwargs))
     return polls[-1]
 
-connect_module._wait_registered = watched_wait
+embedded._wait_registered = watched_wait
 assert connect(ClusterConfig()), "connect started no Ray of its own"
 assert ray.get(Echo.remote().ping.remote(), timeout=60) == "pong"
 from ray._raylet import Config  # this driver's copy of the running Ray's system config
@@ -85,18 +85,18 @@ def test_disconnect_kills_a_monitor_first(ray_session):
     on the session Ray's own monitor (started by a plain ray.init; nothing of a test needs it)."""
     from ray._private import ray_constants, worker
 
-    from embedpipe.cluster.connect import _kill_autoscaler_monitor
+    from embedpipe.cluster.embedded import kill_autoscaler_monitor
 
     monitors = [info.process for info in worker._global_node.all_processes[ray_constants.PROCESS_TYPE_MONITOR]]
     assert monitors and all(p.poll() is None for p in monitors)
-    _kill_autoscaler_monitor()
+    kill_autoscaler_monitor()
     assert [p.poll() for p in monitors] == [-9] * len(monitors)
     assert ray_session.is_initialized()
 
 
 def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):
     """Ray's own RAY_<name> environment variables keep their say: such a key is not passed as system config."""
-    from embedpipe.cluster.connect import LOCAL_SYSTEM_CONFIG, local_system_config
+    from embedpipe.cluster.embedded import LOCAL_SYSTEM_CONFIG, local_system_config
 
     monkeypatch.delenv("RAY_raylet_client_num_connect_attempts", raising=False)
     monkeypatch.setenv("RAY_raylet_client_connect_timeout_milliseconds", "250")
@@ -121,16 +121,16 @@ def test_registration_poll_against_a_real_gcs(ray_session, monkeypatch):
     """_wait_registered finds a registered node at once (the session Ray's own); a node the GCS does not list is
     polled for REGISTRATION_POLL_FOR_S and then left to Ray's own wait (False), as is an address Ray's client refuses.
     (A GCS nobody answers holds Ray's client 40 s: not a case of an embedded start, whose GCS has just answered Ray.)"""
-    from embedpipe.cluster import connect as connect_module
+    from embedpipe.cluster import embedded
 
     context = ray_session.get_runtime_context()
     gcs, node = context.gcs_address, context.get_node_id()
-    assert connect_module._wait_registered(gcs_address=gcs, node_id=node) is True
-    monkeypatch.setattr(connect_module, "REGISTRATION_POLL_FOR_S", 0.3)
+    assert embedded._wait_registered(gcs_address=gcs, node_id=node) is True
+    monkeypatch.setattr(embedded, "REGISTRATION_POLL_FOR_S", 0.3)
     began = time.perf_counter()
-    assert connect_module._wait_registered(gcs_address=gcs, node_id="ab" * 28) is False
+    assert embedded._wait_registered(gcs_address=gcs, node_id="ab" * 28) is False
     assert 0.3 <= time.perf_counter() - began < 5
-    assert connect_module._wait_registered(gcs_address="not-an-address", node_id=node) is False
+    assert embedded._wait_registered(gcs_address="not-an-address", node_id=node) is False
 
 
 def test_no_dashboard_head_falls_back_to_rays_own_start(monkeypatch):
@@ -138,7 +138,7 @@ def test_no_dashboard_head_falls_back_to_rays_own_start(monkeypatch):
     back in place after the embedded start: the shortcut never costs a start."""
     from ray._private.node import Node
 
-    from embedpipe.cluster.connect import _no_dashboard_head
+    from embedpipe.cluster.embedded import _no_dashboard_head
 
     started = []
     monkeypatch.setattr(Node, "start_api_server", lambda self, **kwargs: started.append(kwargs))
