@@ -135,10 +135,8 @@ def _no_dashboard_head() -> Iterator[None]:
 
 
 # The autoscaler's monitor has nothing to scale on one machine: a Python process importing Ray's autoscaler (0.55
-# CPU-seconds) on the workers' two cores while the embedded Ray starts, for 0.3 s of the start's wall (session 29).
-# `ray start --no-monitor` skips it; ray.init has no such option, so the embedded start skips it as the dashboard head.
-
-
+# CPU-seconds) on the workers' two cores while the embedded Ray starts, for 0.3-0.4 s of the start's wall (two Zen 3
+# cores; docs/performance.md, session 29). `ray start --no-monitor` skips it; ray.init has no such option.
 @contextmanager
 def _no_autoscaler_monitor() -> Iterator[None]:
     """While the embedded Ray starts, its head starts no autoscaler monitor (as ``ray start --no-monitor``). Where
