@@ -41,14 +41,13 @@ def disconnect(started: bool) -> None:
     Ray's shutdown stops its processes one by one, each given 1 s to exit on SIGTERM before a SIGKILL. It stops the
     GCS before the autoscaler's monitor, whose SIGTERM handler then reports its "failure" to that GCS and waits on
     it until the SIGKILL comes: 1 s of every embedded run's wall (Ray 2.60; docs/performance.md, session 22). The
-    monitor has nothing to scale on one machine: the embedded start runs none (embedded.py), and one
-    started all the same is sent the SIGKILL first, while the rest of the shutdown stays Ray's own (SIGTERM first,
-    the raylet reaping its workers)."""
+    monitor has nothing to scale on one machine: the embedded start runs none (embedded.py), and one started all
+    the same is sent the SIGKILL first, while the rest of the shutdown stays Ray's own (SIGTERM first, the raylet
+    reaping its workers)."""
     if not started:
         return
     kill_autoscaler_monitor()
     ray.shutdown()
-
 
 
 @contextmanager
@@ -90,7 +89,6 @@ def _init(cfg: ClusterConfig) -> None:
         with trimmed_start():
             ray.init(address="local", num_cpus=max(cpus, wanted), include_dashboard=False, logging_level=level,
                      _system_config=local_system_config())
-
 
 
 def submitted_job_address() -> str:

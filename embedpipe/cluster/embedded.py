@@ -6,12 +6,13 @@ Ray lays its internals out otherwise, that trim does nothing, and the start is R
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import subprocess
 import time
 from contextlib import ExitStack, contextmanager
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +24,27 @@ def trimmed_start() -> Iterator[None]:
         for trim in (_registration_polled, _no_dashboard_head, _no_autoscaler_monitor):
             stack.enter_context(trim())
         yield
+
+
+@contextmanager
+def _swapped(module: str, path: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Inside the block, Ray's ``module.path`` (a function, or ``Class.method``) is ``wrap(original)``; after it, the
+    original again. Where this Ray has no such thing, or ``wrap`` cannot be built, nothing is swapped."""
+    *owners, name = path.split(".")
+    try:
+        owner = importlib.import_module(module)
+        for part in owners:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        replacement = wrap(original)
+    except (ImportError, AttributeError):
+        yield
+        return
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def kill_autoscaler_monitor() -> None:
@@ -55,29 +77,20 @@ REGISTRATION_POLL_FOR_S = 10.0  # then Ray's own lookup waits on, as long as Ray
 REGISTRATION_ASK_TIMEOUT_S = 5.0  # one ask; a GCS that does not answer in it leaves the wait to Ray
 
 
-@contextmanager
-def _registration_polled() -> Iterator[None]:
+def _registration_polled() -> ContextManager[None]:
     """While the embedded Ray starts, its lookup of the new node (``ray._private.services.get_node``) first polls
     the GCS until the node is registered. Where this Ray's internals lay it out otherwise, nothing is wrapped and the
     start waits as Ray's own code says; whatever the poll meets, Ray's own lookup still runs and answers."""
-    try:
-        from ray._private import services
 
-        lookup = services.get_node
-    except (ImportError, AttributeError):
-        yield
-        return
+    def polled_first(lookup: Callable) -> Callable:
+        def get_node(gcs_address: str, node_id: str, *args, **kwargs):
+            if isinstance(node_id, str):  # the hex id Ray 2.60 passes; anything else is left to Ray's lookup alone
+                _wait_registered(gcs_address=gcs_address, node_id=node_id)
+            return lookup(gcs_address, node_id, *args, **kwargs)
 
-    def get_node(gcs_address: str, node_id: str, *args, **kwargs):
-        if isinstance(node_id, str):  # the hex id Ray 2.60 passes; anything else is left to Ray's lookup alone
-            _wait_registered(gcs_address=gcs_address, node_id=node_id)
-        return lookup(gcs_address, node_id, *args, **kwargs)
+        return get_node
 
-    services.get_node = get_node
-    try:
-        yield
-    finally:
-        services.get_node = lookup
+    return _swapped("ray._private.services", "get_node", polled_first)
 
 
 def _wait_registered(*, gcs_address: str, node_id: str) -> bool:
@@ -106,54 +119,36 @@ def _wait_registered(*, gcs_address: str, node_id: str) -> bool:
 NO_DASHBOARD_ADDRESS = b"127.0.0.1:0"
 
 
-@contextmanager
-def _no_dashboard_head() -> Iterator[None]:
+def _no_dashboard_head() -> ContextManager[None]:
     """While the embedded Ray starts, its head starts no dashboard process. Where this Ray's internals lay it out
-    otherwise, nothing is wrapped; where publishing the address fails, Ray starts its dashboard head as it always did."""
-    try:
+    otherwise, nothing is wrapped; where publishing the address fails, Ray starts its dashboard head as it always
+    did."""
+
+    def address_only(start: Callable) -> Callable:
         from ray._private import ray_constants
-        from ray._private.node import Node
 
-        start = Node.start_api_server
         key, namespace = ray_constants.DASHBOARD_ADDRESS.encode(), ray_constants.KV_NAMESPACE_DASHBOARD
-    except (ImportError, AttributeError):
-        yield
-        return
 
-    def start_api_server(self, *args, **kwargs):
-        try:
-            self.get_gcs_client().internal_kv_put(key, NO_DASHBOARD_ADDRESS, True, namespace)
-        except Exception as exc:  # noqa: BLE001 - any failure of this shortcut leaves the start to Ray as it was
-            log.debug("publishing no dashboard failed, Ray starts its dashboard head instead: %s", exc)
-            return start(self, *args, **kwargs)
+        def start_api_server(self, *args, **kwargs):
+            try:
+                self.get_gcs_client().internal_kv_put(key, NO_DASHBOARD_ADDRESS, True, namespace)
+            except Exception as exc:  # noqa: BLE001 - any failure of this shortcut leaves the start to Ray as it was
+                log.debug("publishing no dashboard failed, Ray starts its dashboard head instead: %s", exc)
+                return start(self, *args, **kwargs)
 
-    Node.start_api_server = start_api_server
-    try:
-        yield
-    finally:
-        Node.start_api_server = start
+        return start_api_server
+
+    return _swapped("ray._private.node", "Node.start_api_server", address_only)
 
 
 # The autoscaler's monitor has nothing to scale on one machine: a Python process importing Ray's autoscaler (0.55
 # CPU-seconds) on the workers' two cores while the embedded Ray starts, for 0.3-0.4 s of the start's wall (two Zen 3
 # cores; docs/performance.md, session 29). `ray start --no-monitor` skips it; ray.init has no such option.
-@contextmanager
-def _no_autoscaler_monitor() -> Iterator[None]:
+def _no_autoscaler_monitor() -> ContextManager[None]:
     """While the embedded Ray starts, its head starts no autoscaler monitor (as ``ray start --no-monitor``). Where
     this Ray's internals lay it out otherwise, nothing is wrapped, and Ray starts its monitor (which disconnect then
     kills first)."""
-    try:
-        from ray._private.node import Node
-
-        start = Node.start_monitor
-    except (ImportError, AttributeError):
-        yield
-        return
-    Node.start_monitor = lambda self, *args, **kwargs: None
-    try:
-        yield
-    finally:
-        Node.start_monitor = start
+    return _swapped("ray._private.node", "Node.start_monitor", lambda start: lambda self, *args, **kwargs: None)
 
 
 # Ray's IPC connects (the raylet's to its own object store among them) retry every
