@@ -22,7 +22,7 @@ from embedpipe.cluster.driver import run_job
 from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, RuntimeConfig, load_job
 from embedpipe.runtime import Encoder
 from tests.conftest import shared_data, write_job
-from tests.test_reliability import _worker_pids
+from tests.test_reliability import _busy_workers
 
 pytestmark = pytest.mark.slow
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -127,8 +127,8 @@ def test_sigkill_a_worker_loses_and_duplicates_no_chunk(tmp_path, documents, enc
     deadline = time.time() + 300
     while records() < 1 and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
-    victims = _worker_pids()
-    assert victims and records() < 10, "the kill must land mid-run"
+    victims = _busy_workers(deadline=deadline)
+    assert victims and records() < 10, "the kill must land mid-run, on a worker encoding a unit"
     os.kill(victims[0], signal.SIGKILL)
     runner.join(timeout=600)
     report = outcome["result"].report

@@ -65,18 +65,27 @@ def corpus(tmp_path_factory, quickstart_table):
     return table, folder
 
 
-def _worker_pids() -> list[int]:
-    """This test session's worker actors only: descendants of this process (its local Ray), never
-    another session's workers on a shared machine."""
+def _busy_worker_pids() -> list[int]:
+    """This test session's worker actors encoding a unit now: descendants of this process (its local Ray), never
+    another session's workers on a shared machine. Ray titles an actor's process after the method it runs:
+    ``ray::EmbedWorker.process`` while it encodes, ``ray::EmbedWorker.__init__`` while it starts."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EmbedWorker")
+            if (proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::EmbedWorker.process")
                     and _descends_from_us(int(proc.name))):
                 pids.append(int(proc.name))
         except OSError:
             continue
     return pids
+
+
+def _busy_workers(*, deadline: float) -> list[int]:
+    """The worker actors encoding a unit now, waited for until ``deadline``: a signal to one of them lands mid-unit.
+    A worker still starting (its actor's ``__init__``) would be a failed start to replace, with no unit to retry."""
+    while not (busy := _busy_worker_pids()) and time.time() < deadline:
+        time.sleep(0.01)
+    return busy
 
 
 def _descends_from_us(pid: int) -> bool:
@@ -99,8 +108,8 @@ def _run_and_signal_a_worker(job, out: Path, signum: int, *, records=None) -> tu
     deadline = time.time() + 300
     while records() < 2 and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
-    victims = _worker_pids()
-    assert victims and records() < 20, "the signal must land mid-run"
+    victims = _busy_workers(deadline=deadline)
+    assert victims and records() < 20, "the signal must land mid-run, on a worker encoding a unit"
     os.kill(victims[0], signum)
     return runner, outcome, victims[0]
 
