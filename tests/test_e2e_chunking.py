@@ -127,7 +127,7 @@ def test_sigkill_a_worker_loses_and_duplicates_no_chunk(tmp_path, documents, enc
     deadline = time.time() + 300
     while records() < 1 and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
-    victims = _busy_workers(deadline=deadline)
+    victims = _busy_workers(deadline=deadline, running=runner.is_alive)
     assert victims and records() < 10, "the kill must land mid-run, on a worker encoding a unit"
     os.kill(victims[0], signal.SIGKILL)
     runner.join(timeout=600)

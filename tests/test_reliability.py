@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -80,10 +81,11 @@ def _busy_worker_pids() -> list[int]:
     return pids
 
 
-def _busy_workers(*, deadline: float) -> list[int]:
-    """The worker actors encoding a unit now, waited for until ``deadline``: a signal to one of them lands mid-unit.
-    A worker still starting (its actor's ``__init__``) would be a failed start to replace, with no unit to retry."""
-    while not (busy := _busy_worker_pids()) and time.time() < deadline:
+def _busy_workers(*, deadline: float, running: Callable[[], bool]) -> list[int]:
+    """The worker actors encoding a unit now, waited for until ``deadline`` while ``running()`` (the run's thread is
+    alive): a signal to one of them lands mid-unit. A worker still starting (its actor's ``__init__``) would be a
+    failed start to replace, with no unit to retry."""
+    while not (busy := _busy_worker_pids()) and time.time() < deadline and running():
         time.sleep(0.01)
     return busy
 
@@ -108,7 +110,7 @@ def _run_and_signal_a_worker(job, out: Path, signum: int, *, records=None) -> tu
     deadline = time.time() + 300
     while records() < 2 and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
-    victims = _busy_workers(deadline=deadline)
+    victims = _busy_workers(deadline=deadline, running=runner.is_alive)
     assert victims and records() < 20, "the signal must land mid-run, on a worker encoding a unit"
     os.kill(victims[0], signum)
     return runner, outcome, victims[0]
