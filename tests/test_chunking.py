@@ -12,7 +12,6 @@ from embedpipe.text.tokenizer import TextTokenizer
 from tests.conftest import shared_data
 
 
-
 @pytest.fixture(scope="module")
 def documents() -> list[str]:
     """Real documents: the paragraphs of each kernel-docs page joined by blank lines (40 pages)."""

@@ -4,10 +4,7 @@ with the vector of its own text, a SIGKILLed worker, bad rows, an incremental ni
 from __future__ import annotations
 
 import json
-import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from embedpipe.cli import app
-from embedpipe.cluster.driver import run_job
 from embedpipe.config import BatchingConfig, ChunkingConfig, ModelConfig, RuntimeConfig, load_job
 from embedpipe.runtime import Encoder
 from tests.conftest import shared_data, write_job
-from tests.test_reliability import _busy_workers
+from tests.test_reliability import _run_and_signal_a_worker
 
 pytestmark = pytest.mark.slow
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -120,16 +116,7 @@ def test_sigkill_a_worker_loses_and_duplicates_no_chunk(tmp_path, documents, enc
     pq.write_table(documents, data, row_group_size=4)  # 10 units
     out = tmp_path / "out"
     job = load_job(job_file(tmp_path, data, input={"unit_rows": 4}))
-    outcome = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)), daemon=True)
-    runner.start()
-    records = lambda: len(list((out / "_manifest" / "units").glob("*.json")))  # noqa: E731
-    deadline = time.time() + 300
-    while records() < 1 and time.time() < deadline and runner.is_alive():
-        time.sleep(0.05)
-    victims = _busy_workers(deadline=deadline, running=runner.is_alive)
-    assert victims and records() < 10, "the kill must land mid-run, on a worker encoding a unit"
-    os.kill(victims[0], signal.SIGKILL)
+    runner, outcome, _ = _run_and_signal_a_worker(job, out, signal.SIGKILL, after=1, units=10)
     runner.join(timeout=600)
     report = outcome["result"].report
     assert report["units"]["retried"] >= 1 and report["units"]["failed"] == 0

@@ -99,19 +99,20 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
-def _run_and_signal_a_worker(job, out: Path, signum: int, *, records=None) -> tuple[threading.Thread, dict, int]:
-    """Start ``job`` on a thread, wait until it is mid-run (2 of 20 units done), send ``signum`` to one
-    worker; returns the thread, the dict its result lands in, and the worker's pid. ``records``: how the
+def _run_and_signal_a_worker(job, out: Path, signum: int, *, records=None, after: int = 2,
+                             units: int = 20) -> tuple[threading.Thread, dict, int]:
+    """Start ``job`` on a thread, wait until it is mid-run (``after`` of its ``units`` units done), send ``signum`` to
+    one worker; returns the thread, the dict its result lands in, and the worker's pid. ``records``: how the
     finished units are counted (default: the unit records under ``out``; an object store's own listing)."""
     records = records or (lambda: _records(out))
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(result=run_job(job, progress=False)), daemon=True)
     runner.start()
     deadline = time.time() + 300
-    while records() < 2 and time.time() < deadline and runner.is_alive():
+    while records() < after and time.time() < deadline and runner.is_alive():
         time.sleep(0.05)
     victims = _busy_workers(deadline=deadline, running=runner.is_alive)
-    assert victims and records() < 20, "the signal must land mid-run, on a worker encoding a unit"
+    assert victims and records() < units, "the signal must land mid-run, on a worker encoding a unit"
     os.kill(victims[0], signum)
     return runner, outcome, victims[0]
 
