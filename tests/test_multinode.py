@@ -123,6 +123,8 @@ def test_the_model_is_shipped_and_workers_on_two_nodes_match_a_local_run(scenari
         models = Path(answer["caches"][node]) / "models"
         (folder,) = [p for p in models.iterdir() if not p.name.startswith(".")]
         assert folder.name == answer["model_sha256"] and (folder / "model.safetensors").is_file()
+    # the manifest names the model the workers were sent, not what model.path holds once the model is shipped
+    assert json.loads((work / "out_a" / "_manifest" / "job.json").read_text())["model"] == answer["model_sha256"]
     ids, got = _vectors(work / "out_a")
     assert len(ids) == len(set(ids)) == len(reference) == 600
     want = np.stack([reference[i] for i in ids])
@@ -162,7 +164,7 @@ def _main(work: Path) -> None:
     from typer.testing import CliRunner
 
     from embedpipe.cli import app
-    from embedpipe.cluster import driver
+    from embedpipe.cluster import driver, early
     from embedpipe.cluster.nodes import node_label
 
     logging.basicConfig(level=logging.WARNING)
@@ -180,7 +182,7 @@ def _main(work: Path) -> None:
                     "caches": {node_label(n.node_ip_address, n.node_id): str(work / "cache" / name)
                                for n, name in zip(everyone, ("head", "node0", "node1"))}}
     moved: list[str] = []
-    ship = driver.ship_model
+    ship = early.ship_model  # the driver's shipping, beside preflight's id scan (driver.ship_model: without it)
 
     def ship_then_move(model_dir: Path):
         shipped = ship(model_dir)
@@ -189,7 +191,7 @@ def _main(work: Path) -> None:
         answer["model_sha256"] = shipped.sha256
         return shipped
 
-    driver.ship_model = ship_then_move
+    early.ship_model = driver.ship_model = ship_then_move
     try:
         for name in ("a", "b"):
             job = work / f"{name}.yaml"

@@ -23,6 +23,7 @@ from embedpipe.cluster.codeid import CodeId, this_code
 from embedpipe.cluster.connect import (connect, disconnect, expected_workers, local_gpus, plan_workers,
                                        submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
+from embedpipe.cluster.early import EarlyRay, scan_beside_ray
 from embedpipe.cluster.modelship import ship_model
 from embedpipe.cluster.progress import progress_bar
 from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
@@ -40,7 +41,7 @@ from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_
 from embedpipe.io.quantize import Calibration, read_record
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
-from embedpipe.preflight import RunPlan, preflight
+from embedpipe.preflight import RunPlan, check_job, scan_ids
 from embedpipe.report.counters import Counters
 from embedpipe.report.device import DeviceInfo, slower_than_float32
 from embedpipe.report.history import record_run
@@ -74,15 +75,33 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
     with _signals_interrupt():
         use_job_storage(job)  # the job's storage options, before the first look at its output's store
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
-        plan = preflight(job, workers=expected_workers(job.cluster).workers)  # bad files, ids or model: fail here
+        checked = check_job(job, workers=expected_workers(job.cluster).workers)  # bad files or model: fail here
+        if _expects_work(job, overwrite=overwrite):  # Ray's start and the model's shipping beside the id scan
+            plan, early = scan_beside_ray(checked)  # duplicate or null ids: fail here, Ray shut down first
+        else:
+            plan, early = scan_ids(checked), None
         try:
             with OutputLock(job.output.path, mode=job.output.lock) as lock:
                 if job.output.versioned:
-                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock, clock=clock)
-                return _run_once(job, plan, progress=progress, overwrite=overwrite, clock=clock)
+                    return _run_versioned(job, plan, progress=progress, overwrite=overwrite, lock=lock, clock=clock,
+                                          early=early)
+                return _run_once(job, plan, progress=progress, overwrite=overwrite, clock=clock, early=early)
         except KeyboardInterrupt as stop:  # the lock is released and Ray shut down by now
             raise Interrupted(signum=getattr(stop, "signum", signal.SIGINT), done=_units_done(job, plan),
                               total=len(plan.units)) from None
+        finally:
+            if early is not None:  # a run that ended before it got to Ray (a held lock, a mismatched output)
+                disconnect(early.started)  # a no-op once the run shut it down itself
+
+
+def _expects_work(job: JobSpec, *, overwrite: bool) -> bool:
+    """Whether the run will want Ray (then it is started beside the id scan): every versioned run (each is a new
+    version) and overwrite, else an output with no finished run's report.json (new, or a run to resume). A finished
+    output run again finds nothing to do, and starts no Ray for it."""
+    if overwrite or job.output.versioned:
+        return True
+    layout = OutputLayout(tree_path(job.output.path))
+    return not layout.store.exists(layout.report_json)
 
 
 @dataclass(frozen=True)
@@ -153,13 +172,14 @@ def _units_done(job: JobSpec, plan: RunPlan) -> int | None:
 
 
 def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, lock: OutputLock,
-                   clock: RunClock | None = None) -> RunResult:
+                   clock: RunClock | None = None, early: EarlyRay | None = None) -> RunResult:
     clock = clock or RunClock.now()
     root = tree_path(job.output.path)
     claim_output(root, kind="versioned")
     if overwrite:
         versions.remove_all(root)
-    fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
+    fingerprint = job_fingerprint(job, files=plan.files, model_dir=plan.model_dir,
+                                  model_sha256=early.model.sha256 if early is not None else None)
     version = versions.choose_version(root, fingerprint, started_at=clock.wall)  # a new one: named as its run
     incremental, reencode_reason = None, None
     if job.output.incremental:
@@ -172,7 +192,7 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
     version_job = job.replace(output={"path": str(OutputLayout(root).version(version).root)})
     result = _run_once(version_job, plan, progress=progress, overwrite=False, incremental=incremental,
                        previous_rows=versions.previous_rows(root) if incremental else 0, fingerprint=fingerprint,
-                       clock=clock)
+                       clock=clock, early=early)
     versions.validate(result.output_path, result.report, expected_rows=sum(u.num_rows for u in plan.units))
     lock.confirm()  # a run whose lock was taken over never moves CURRENT
     versions.promote(root, version)
@@ -187,16 +207,20 @@ def _run_versioned(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bo
 
 
 def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, incremental: Incremental | None = None,
-              previous_rows: int = 0, fingerprint: dict | None = None, clock: RunClock | None = None) -> RunResult:
+              previous_rows: int = 0, fingerprint: dict | None = None, clock: RunClock | None = None,
+              early: EarlyRay | None = None) -> RunResult:
     """``fingerprint``: the job's, when the caller has it already (it leaves output.path out, so a version
     folder's is its root's): the model's files and the input stamps are then read once per run. ``clock``: when
-    the run started (run_job's entry, before preflight); None: now."""
+    the run started (run_job's entry, before preflight); None: now. ``early``: the Ray and shipped model run_job
+    set up beside the id scan (this run shuts that Ray down, as one it started); None: they are set up here."""
+    owned = early is not None and early.started  # Ray started beside the scan: this run's to shut down
     clock = clock or RunClock.now()
     started, started_at = clock.perf, clock.wall
     index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
     output = tree_path(job.output.path)
     OutputLayout(output).store.mkdir(output)
-    fingerprint = fingerprint or job_fingerprint(job, files=plan.files, model_dir=plan.model_dir)
+    fingerprint = fingerprint or job_fingerprint(job, files=plan.files, model_dir=plan.model_dir,
+                                                 model_sha256=early.model.sha256 if early is not None else None)
     manifest = Manifest.open(output, fingerprint, overwrite=overwrite)
     done = done_units(manifest.done(verify=True), plan.units)  # parts checked by sha256, rows by the plan's
     manifest.clean_partials(done)  # temporaries, unrecorded units' files, orphan parts of other attempts
@@ -212,7 +236,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     finished = done  # the units with a record once the scheduler is through (this run's added below)
     diff = None  # the incremental diff's report section, when there was a previous version to look in
     if todo:
-        started_ray = connect(job.cluster)
+        started_ray = connect(job.cluster) or owned
         try:
             workers = plan_workers(job.cluster)
             if workers.workers > plan.workers and len(plan.units) < workers.workers * UNITS_PER_WORKER:
@@ -225,7 +249,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             code = this_code()  # every worker and task checks theirs against it before it reads or writes
             if incremental is not None and incremental.previous:  # before any worker takes a unit
                 incremental, diff = _diff_night(job, todo, incremental, code=code)
-            model = ship_model(plan.model.dir)  # read here once; each node's workers materialize it from Ray
+            # read here once (or beside the id scan); each node's workers materialize it from Ray
+            model = early.model if early is not None else ship_model(plan.model.dir)
             calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
                                                cpus=workers.cpus_per_worker,
                                                gpus=workers.gpus_per_worker, model=model, code=code,
@@ -267,6 +292,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         calibration = Calibration(**record["calibration"]) if "calibration" in record else None
         _describe(job, plan, output, calibration)
         index_report = _index_alone(job, index_build) if index_build else None  # nothing left to embed
+        disconnect(owned)  # a Ray started beside the id scan (the index's shards ran on it), now done with
 
     total = Counters()
     for record in finished.values():  # the manifest's records: the output's totals, resumed units included

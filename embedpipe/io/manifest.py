@@ -132,13 +132,16 @@ def model_fingerprint(model_dir: Path, *, cache: HashCache | None = None) -> str
     return digest.hexdigest()
 
 
-def job_fingerprint(job, *, files: list[str], model_dir: Path) -> dict[str, Any]:
+def job_fingerprint(job, *, files: list[str], model_dir: Path, model_sha256: str | None = None) -> dict[str, Any]:
+    """The job's identity in its manifest: its input stamps, its model's content hash and its settings.
+    ``model_sha256``: that hash when the caller has it (the shipped model's, ``model_fingerprint`` of the same
+    folder), so the manifest names the bytes the workers were sent; None: hashed here."""
     settings = {section: {k: v for k, v in values.items() if k not in FINGERPRINT_SKIP.get(section, set())}
                 for section, values in job.to_dict().items() if section in ("input", "model", "output")}
     from embedpipe.io import fs
 
     inputs = [fs.stamp(file) for file in files]  # local files: path, size, mtime_ns; URLs: the store's stamp
-    body = {"inputs": inputs, "model": model_fingerprint(model_dir), "settings": settings}
+    body = {"inputs": inputs, "model": model_sha256 or model_fingerprint(model_dir), "settings": settings}
     body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
     # for the record and the messages, not the hash: the same model bytes in another folder are the same model
     body["model_dir"] = str(model_dir)

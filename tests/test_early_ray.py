@@ -1,0 +1,130 @@
+"""Ray's start and the model's shipping beside preflight's duplicate-id scan (embedpipe/cluster/early.py)."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from embedpipe.cluster.driver import _expects_work
+from embedpipe.config import parse_job
+
+pytestmark = pytest.mark.slow
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+# In a fresh interpreter (no Ray of the test session's): check_job, then scan_beside_ray on the job given as JSON
+# with the given alone_s. connect is watched (the real one runs) to tell whether and where Ray was started.
+BESIDE = """
+import json, sys, threading
+import ray
+import embedpipe.cluster.early as early
+from embedpipe.config import parse_job
+from embedpipe.io.manifest import model_fingerprint
+from embedpipe.preflight import check_job, preflight
+
+job = parse_job(json.loads(sys.argv[1]))
+seen = {"scan threads": []}
+connect, scan_ids = early.connect, early.scan_ids
+
+def watched_connect(cfg):
+    seen["connect on main thread"] = threading.current_thread() is threading.main_thread()
+    seen["started"] = connect(cfg)
+    return seen["started"]
+
+def watched_scan(checked):
+    seen["scan threads"].append(threading.current_thread().name)
+    return scan_ids(checked)
+
+early.connect, early.scan_ids = watched_connect, watched_scan
+try:
+    plan, up = early.scan_beside_ray(check_job(job, workers=2), alone_s=float(sys.argv[2]))
+except Exception as exc:
+    seen["error"] = f"{type(exc).__name__}: {exc}"
+else:
+    alone = preflight(job, workers=2)
+    seen["same plan"] = (plan.units == alone.units and plan.duplicate_rows == alone.duplicate_rows
+                         and plan.model == alone.model and plan.files == alone.files)
+    seen["ray up"] = ray.is_initialized()
+    if up is not None:
+        seen["early started"] = up.started
+        seen["model shipped"] = up.model.sha256 == model_fingerprint(plan.model.dir)
+        seen["chunks readable"] = ray.get(up.model.chunks[0][0])[:1] != b""
+        early.disconnect(up.started)
+seen["ray up after"] = ray.is_initialized()
+print("RESULT " + json.dumps(seen))
+"""
+
+
+def _beside(raw: dict, *, alone_s: float = 0.0) -> dict:
+    """What scan_beside_ray did; ``alone_s`` 0: Ray is started beside any scan, however short."""
+    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s)], capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def _corpus(tmp_path, *files: list[str]) -> str:
+    tmp_path.mkdir(exist_ok=True)
+    for i, ids in enumerate(files):
+        pq.write_table(pa.table({"id": ids, "text": [f"paragraph {i} {x}" for x in ids]}), tmp_path / f"{i}.parquet")
+    return str(tmp_path / "*.parquet")
+
+
+def _raw(tmp_path, data: str, **input_options) -> dict:
+    return {"input": {"path": data, **input_options}, "model": {"path": MODEL},
+            "output": {"path": str(tmp_path / "out")}, "cluster": {"workers": 2}}
+
+
+def test_the_scan_runs_beside_ray_and_gives_preflights_plan(tmp_path):
+    """A scan that outlasts alone_s (0 here): Ray is started on the main thread while the scan runs on its own; the
+    plan is preflight's own, keep_first's dropped rows included, and the model is in the object store, under its
+    fingerprint."""
+    data = _corpus(tmp_path, ["a", "b", "c"], ["d", "b", "e"])
+    seen = _beside(_raw(tmp_path, data, on_duplicate_id="keep_first"))
+    assert "error" not in seen, seen
+    assert seen["scan threads"] == ["embedpipe-id-scan"] and seen["connect on main thread"], seen
+    assert seen["started"] is True and seen["early started"] is True and seen["ray up"], seen
+    assert seen["same plan"] and seen["model shipped"] and seen["chunks readable"], seen
+    assert seen["ray up after"] is False, seen
+
+
+def test_a_failed_scan_shuts_the_ray_it_started_down_and_raises_its_own_error(tmp_path):
+    """Duplicate ids under on_duplicate_id: error: preflight's one line, after the Ray started beside the scan is
+    shut down."""
+    data = _corpus(tmp_path, ["a", "b", "c"], ["d", "b", "a"])
+    seen = _beside(_raw(tmp_path, data))
+    assert seen["started"] is True, seen  # Ray was up beside the scan
+    assert seen["error"].startswith("InputError: 2 rows repeat an id seen earlier"), seen
+    assert "on_duplicate_id: keep_first" in seen["error"], seen
+    assert seen["ray up after"] is False, seen
+
+
+def test_a_short_scan_starts_nothing_beside_it_and_fails_as_fast_as_before(tmp_path):
+    """A scan done within alone_s: no Ray started (the run connects itself, as it did before), and a bad input's
+    error comes without a Ray started for it."""
+    good = _corpus(tmp_path / "good", ["a", "b", "c"], ["d", "e"])
+    seen = _beside(_raw(tmp_path, good), alone_s=60.0)
+    assert "started" not in seen and seen["same plan"] and not seen["ray up"], seen
+    bad = _corpus(tmp_path / "bad", ["a", "b"], ["b"])
+    seen = _beside(_raw(tmp_path, bad), alone_s=60.0)
+    assert "started" not in seen and seen["error"].startswith("InputError: 1 rows repeat an id"), seen
+
+
+def test_ray_is_started_beside_the_scan_only_where_the_run_will_want_it(tmp_path):
+    """A new output, an unfinished one, an overwrite and every versioned run: yes. A finished output (its
+    report.json written) run again finds nothing to do: no Ray for it."""
+    out, data = tmp_path / "out", _corpus(tmp_path, ["a"])
+    job = parse_job({"input": {"path": data}, "model": {"path": MODEL}, "output": {"path": str(out)}})
+    assert _expects_work(job, overwrite=False)  # no output yet
+    out.mkdir()
+    (out / "_manifest").mkdir()
+    assert _expects_work(job, overwrite=False)  # a run to resume: no report yet
+    (out / "report.json").write_text("{}")
+    assert not _expects_work(job, overwrite=False)
+    assert _expects_work(job, overwrite=True)
+    versioned = parse_job({"input": {"path": data}, "model": {"path": MODEL},
+                           "output": {"path": str(out), "versioned": True}})
+    assert _expects_work(versioned, overwrite=False)
