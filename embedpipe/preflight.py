@@ -147,12 +147,14 @@ class CheckedJob:
     files: list[str]
     units: list[Unit]  # before the duplicate-id scan: no rows dropped yet
     model: ModelPlan
+    index: IndexPlan | None  # None for output.format: parquet
     workers: int
 
 
 def check_job(job: JobSpec, *, workers: int | None = None) -> CheckedJob:
     """Preflight's checks up to the ids: output settings and stores, the input's listing, footers, columns and units,
-    the model's files. The driver starts Ray once these passed, beside ``scan_ids`` (cluster/early.py)."""
+    the model's files, the index settings. The driver starts Ray once these passed, beside ``scan_ids``
+    (cluster/early.py)."""
     workers = workers or job.cluster.workers or 1
     fs.use_job_storage(job)  # the job's storage_options for its input and output stores, in this process
     check_output_settings(job.output)
@@ -160,20 +162,21 @@ def check_job(job: JobSpec, *, workers: int | None = None) -> CheckedJob:
     if job.output.versioned:
         check_current(tree_path(job.output.path))
     inputs = plan_input(job.input, workers=workers)  # lists the input, checks its columns and text, cuts the units
-    return CheckedJob(job=job, files=inputs.files, units=inputs.units, model=plan_model(job), workers=workers)
+    model = plan_model(job)
+    index = None
+    if job.output.format != "parquet":  # the rows a unit holds, whatever the scan drops from it
+        index = plan_index(job, rows=sum(u.num_rows for u in inputs.units), model=model.index_facts())
+    return CheckedJob(job=job, files=inputs.files, units=inputs.units, model=model, index=index, workers=workers)
 
 
 def scan_ids(checked: CheckedJob) -> RunPlan:
-    """The duplicate-id scan over every unit's ids (with their type and nulls), then the index plan: the run's plan."""
+    """The duplicate-id scan over every unit's ids (with their type and nulls): the run's plan."""
     job = checked.job
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(checked.units, reader=reader, id_column=job.input.id_column,
                                          policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
-    index = None
-    if job.output.format != "parquet":
-        index = plan_index(job, rows=sum(u.num_rows for u in units), model=checked.model.index_facts())
     return RunPlan(files=checked.files, units=units, duplicate_rows=dropped, model=checked.model,
-                   output=tree_path(job.output.path), index=index, workers=checked.workers)
+                   output=tree_path(job.output.path), index=checked.index, workers=checked.workers)
 
 
 def check_output_owner(job: JobSpec, plan: RunPlan) -> None:
