@@ -21,6 +21,7 @@ skips their rows (``embedpipe/io/rows.py``).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -169,12 +170,18 @@ def check_job(job: JobSpec, *, workers: int | None = None) -> CheckedJob:
     return CheckedJob(job=job, files=inputs.files, units=inputs.units, model=model, index=index, workers=workers)
 
 
-def scan_ids(checked: CheckedJob) -> RunPlan:
-    """The duplicate-id scan over every unit's ids (with their type and nulls): the run's plan."""
+class ScanStopped(Exception):
+    """``scan_ids`` was asked to stop (its ``stop`` set: the run was interrupted) before it was through."""
+
+
+def scan_ids(checked: CheckedJob, *, stop: threading.Event | None = None) -> RunPlan:
+    """The duplicate-id scan over every unit's ids (with their type and nulls): the run's plan. ``stop``: set from
+    another thread, the scan raises ScanStopped at its next unit (its reads in flight finish, no new one starts)."""
     job = checked.job
     reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column)
     units, dropped = _resolve_duplicates(checked.units, reader=reader, id_column=job.input.id_column,
-                                         policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row)
+                                         policy=job.input.on_duplicate_id, on_bad_row=job.input.on_bad_row,
+                                         stop=stop)
     return RunPlan(files=checked.files, units=units, duplicate_rows=dropped, model=checked.model,
                    output=tree_path(job.output.path), index=checked.index, workers=checked.workers)
 
@@ -341,7 +348,7 @@ def check_current(root: TreePath) -> None:
 
 
 def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str, policy: str,
-                        on_bad_row: str = "error") -> tuple[list[Unit], int]:
+                        on_bad_row: str = "error", stop: threading.Event | None = None) -> tuple[list[Unit], int]:
     """Find ids seen more than once (in input order); error, or mark later copies to drop.
 
     On the same read of every unit's ids: one id type across the input, and no null id under
@@ -349,6 +356,8 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
     first: tuple[str, pa.DataType] | None = None  # the first unit's file and id type
     with IdOccurrences(rows=sum(u.num_rows for u in units)) as seen:  # bounded memory (embedpipe/io/duplicates.py)
         for u, (unit, ids) in enumerate(zip(units, _read_ids(units, reader=reader, id_column=id_column))):
+            if stop is not None and stop.is_set():
+                raise ScanStopped(f"the duplicate-id scan stopped at unit {u} of {len(units)}")
             first = first or (unit.file, ids.type)
             _check_id_type(first, unit.file, ids.type, id_column=id_column)
             valid = ~ids.is_null().to_numpy(zero_copy_only=False)
@@ -382,9 +391,12 @@ def _read_ids(units: list[Unit], *, reader: UnitReader, id_column: str) -> Itera
     def read(unit: Unit) -> pa.Array:
         return reader.columns(unit, [id_column]).column(0).combine_chunks()
 
-    with ThreadPoolExecutor(READ_THREADS) as pool:
+    pool = ThreadPoolExecutor(READ_THREADS)
+    try:
         for start in range(0, len(units), READ_AHEAD):
             yield from pool.map(read, units[start:start + READ_AHEAD])
+    finally:  # the caller stopped early (an error, a stopped scan): the reads not begun are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _check_id_type(first: tuple[str, pa.DataType], file: str, id_type: pa.DataType, *, id_column: str) -> None:

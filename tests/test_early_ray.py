@@ -18,7 +18,7 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # In a fresh interpreter (no Ray of the test session's): check_job, then scan_beside_ray on the job given as JSON
 # with the given alone_s. connect is watched (the real one runs) to tell whether and where Ray was started.
 BESIDE = """
-import json, sys, threading
+import json, os, signal, sys, threading
 import ray
 import embedpipe.cluster.early as early
 from embedpipe.config import parse_job
@@ -29,20 +29,31 @@ job = parse_job(json.loads(sys.argv[1]))
 seen = {"scan threads": []}
 connect, scan_ids = early.connect, early.scan_ids
 
+INTERRUPT = sys.argv[3] == "interrupt"  # a SIGINT once Ray is up, the scan held until it is asked to stop
+
 def watched_connect(cfg):
     seen["connect on main thread"] = threading.current_thread() is threading.main_thread()
     seen["started"] = connect(cfg)
+    if INTERRUPT:
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
     return seen["started"]
 
-def watched_scan(checked):
+def watched_scan(checked, **kwargs):
     seen["scan threads"].append(threading.current_thread().name)
-    return scan_ids(checked)
+    if INTERRUPT:  # a scan still at its start when the interrupt comes; on at once if it is never asked to stop
+        kwargs["stop"].wait(30)
+    try:
+        return scan_ids(checked, **kwargs)
+    except BaseException as exc:
+        seen["scan ended by"] = type(exc).__name__
+        raise
 
 early.connect, early.scan_ids = watched_connect, watched_scan
 try:
     plan, up = early.scan_beside_ray(check_job(job, workers=2), alone_s=float(sys.argv[2]))
-except Exception as exc:
+except BaseException as exc:
     seen["error"] = f"{type(exc).__name__}: {exc}"
+    seen["scan alive"] = any(t.name == "embedpipe-id-scan" and t.is_alive() for t in threading.enumerate())
 else:
     alone = preflight(job, workers=2)
     seen["same plan"] = (plan.units == alone.units and plan.duplicate_rows == alone.duplicate_rows
@@ -58,10 +69,10 @@ print("RESULT " + json.dumps(seen))
 """
 
 
-def _beside(raw: dict, *, alone_s: float = 0.0) -> dict:
+def _beside(raw: dict, *, alone_s: float = 0.0, interrupt: bool = False) -> dict:
     """What scan_beside_ray did; ``alone_s`` 0: Ray is started beside any scan, however short."""
-    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s)], capture_output=True,
-                          text=True, timeout=240)
+    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s),
+                           "interrupt" if interrupt else "-"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -99,6 +110,17 @@ def test_a_failed_scan_shuts_the_ray_it_started_down_and_raises_its_own_error(tm
     assert seen["started"] is True, seen  # Ray was up beside the scan
     assert seen["error"].startswith("InputError: 2 rows repeat an id seen earlier"), seen
     assert "on_duplicate_id: keep_first" in seen["error"], seen
+    assert seen["ray up after"] is False, seen
+
+
+def test_an_interrupt_beside_the_scan_stops_the_scan_and_shuts_ray_down_before_it_goes_on(tmp_path):
+    """A Ctrl-C once Ray is up and the scan still runs: the scan stops at its next unit and has ended, Ray is shut
+    down, then the KeyboardInterrupt goes on (no thread left reading while the interpreter exits: it exits 0 here,
+    where a reading thread at exit had aborted the CLI with 134)."""
+    data = _corpus(tmp_path, ["a", "b", "c"], ["d", "e"])
+    seen = _beside(_raw(tmp_path, data), interrupt=True)
+    assert seen["started"] is True and seen["error"].startswith("KeyboardInterrupt"), seen
+    assert seen["scan ended by"] == "ScanStopped" and seen["scan alive"] is False, seen
     assert seen["ray up after"] is False, seen
 
 

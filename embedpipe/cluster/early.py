@@ -12,19 +12,25 @@ A scan done within ``SCAN_ALONE_S`` (a small input's) starts nothing beside it: 
 module, and a bad input's error comes as fast. Ray starts on the main thread: an embedded Ray's processes die
 with the thread that started them, and its signal handlers can only be set there. A scan that fails once Ray was
 started shuts that Ray down before its error is raised: a large input with duplicate ids still fails with its own
-one line, Ray's start and stop later.
+one line, Ray's start and stop later. A Ctrl-C or SIGTERM meanwhile is held until the scan has stopped and Ray is
+shut down (at most Ray's start, which nothing interrupts), then raised again.
 """
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from embedpipe.cluster.connect import connect, disconnect
 from embedpipe.cluster.modelship import ShippedModel, ship_model
 from embedpipe.preflight import CheckedJob, RunPlan, scan_ids
 
 SCAN_ALONE_S = 0.5  # a scan done within this starts no Ray beside it (the quickstart's, 3,000 rows: 0.25 s)
+JOIN_STEP_S = 0.05  # how soon a held signal is seen while the main thread waits for the scan
 
 
 @dataclass(frozen=True)
@@ -42,36 +48,67 @@ def scan_beside_ray(checked: CheckedJob, *, alone_s: float = SCAN_ALONE_S) -> tu
 
     The scan's error wins over Ray's (the input is the user's to fix, and Ray's start may fail for want of the
     same resources a second run would ask for); either way Ray is shut down first when this call started it.
-    A Ctrl-C or SIGTERM (KeyboardInterrupt here) shuts it down too; the scan, a reader only, ends with the
-    process."""
+    A SIGINT or SIGTERM meanwhile is held (``_signals_held``): the scan is stopped and has ended, and Ray is shut
+    down, before the signal is raised again for the run's own handler."""
     answer: dict = {}
+    stop = threading.Event()  # set on a signal: the scan ends at its next unit
 
     def scan() -> None:
         try:
-            answer["plan"] = scan_ids(checked)
+            answer["plan"] = scan_ids(checked, stop=stop)
         except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
             answer["error"] = exc
 
     scanner = threading.Thread(target=scan, name="embedpipe-id-scan", daemon=True)
-    scanner.start()
-    scanner.join(alone_s)
-    if not scanner.is_alive():  # a short scan: nothing started beside it
-        if "error" in answer:
-            raise answer["error"]
-        return answer["plan"], None
     started, ray_error, model = False, None, None
-    try:
-        try:
-            started = connect(checked.job.cluster)
-            model = ship_model(checked.model.dir)
-        except Exception as exc:  # noqa: BLE001 - said after the scan's own error, if it has one
-            ray_error = exc
-        scanner.join()
-    except BaseException:
-        disconnect(started)
-        raise
+    with _signals_held() as signals:
+        scanner.start()
+        _join(scanner, signals, timeout=alone_s)
+        if scanner.is_alive() and not signals:  # a long scan: Ray's start and the model's shipping beside it
+            try:
+                started = connect(checked.job.cluster)  # a signal meanwhile waits for its end (it cannot stop ray.init)
+                model = ship_model(checked.model.dir)
+            except Exception as exc:  # noqa: BLE001 - said after the scan's own error, if it has one
+                ray_error = exc
+            _join(scanner, signals)
+        if signals:
+            stop.set()
+            disconnect(started)
+            scanner.join()  # the scan's next unit ends it
+    if signals:
+        signal.raise_signal(signals[0])  # the run's handler (run_job: Interrupted) raises it here, nothing importing
     error = answer.get("error") or ray_error
     if error is not None:
         disconnect(started)
         raise error
-    return answer["plan"], EarlyRay(started=started, model=model)
+    return answer["plan"], EarlyRay(started=started, model=model) if model is not None else None
+
+
+def _join(scanner: threading.Thread, signals: list[int], *, timeout: float | None = None) -> None:
+    """Wait for the scan to end, at most ``timeout`` (None: no bound), or until a signal is held."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while scanner.is_alive() and not signals:
+        left = JOIN_STEP_S if deadline is None else min(JOIN_STEP_S, deadline - time.monotonic())
+        if left <= 0:
+            return
+        scanner.join(left)
+
+
+@contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Inside the block, SIGINT and SIGTERM are noted (the list it yields), not acted on; after it, the handlers
+    are put back. A signal's handler runs on the main thread wherever that thread is, inside the import machinery
+    too (Ray's start imports); raised there (importlib's module-lock callback), the exception is swallowed and
+    the interpreter's import lock stays held, so the scan thread's next import waits forever (seen: a SIGINT 2 s
+    into a 6·10^6-row run hung it). Outside the main thread (no handlers can be set there) nothing changes."""
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield held
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
