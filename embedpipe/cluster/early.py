@@ -100,13 +100,14 @@ def _signals_held() -> Iterator[list[int]]:
     are put back. A signal's handler runs on the main thread wherever that thread is, inside the import machinery
     too (Ray's start imports); raised there (importlib's module-lock callback), the exception is swallowed and
     the interpreter's import lock stays held, so the scan thread's next import waits forever (seen: a SIGINT 2 s
-    into a 6·10^6-row run hung it). Outside the main thread (no handlers can be set there) nothing changes."""
+    into a 6·10^6-row run hung it). An ignored signal stays ignored. Outside the main thread (no handlers can be set
+    there) nothing changes."""
     held: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield held
         return
     previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
-                for signum in (signal.SIGINT, signal.SIGTERM)}
+                for signum in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield held
     finally:
