@@ -18,7 +18,7 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 # In a fresh interpreter (no Ray of the test session's): check_job, then scan_beside_ray on the job given as JSON
 # with the given alone_s. connect is watched (the real one runs) to tell whether and where Ray was started.
 BESIDE = """
-import json, os, signal, sys, threading
+import json, os, signal, sys, threading, time
 import ray
 import embedpipe.cluster.early as early
 from embedpipe.config import parse_job
@@ -30,6 +30,35 @@ seen = {"scan threads": []}
 connect, scan_ids = early.connect, early.scan_ids
 
 INTERRUPT = sys.argv[3] == "interrupt"  # a SIGINT once Ray is up, the scan held until it is asked to stop
+WORKERS = sys.argv[3] == "workers"  # the run's workers asked for beside the scan, as run_job asks for them
+
+
+def scan_alive():
+    return any(t.name == "embedpipe-id-scan" and t.is_alive() for t in threading.enumerate())
+
+
+asked = threading.Event()
+
+
+def start_workers(model):
+    from embedpipe.cluster.driver import _workers_asked
+    seen["scan alive when workers asked"] = scan_alive()
+    try:
+        return _workers_asked(job, model=model, units=len(checked.units))
+    finally:
+        asked.set()
+
+
+def watched_disconnect(started):  # the workers' actors when Ray is shut down: ended first, or not
+    from ray._private.state import actors  # the GCS's table (the embedded Ray serves no state API)
+    deadline = time.monotonic() + 20
+    while True:
+        states = [a["State"] for a in actors().values() if a["ActorClassName"] == "EmbedWorker"]
+        if all(state == "DEAD" for state in states) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    seen["worker actors at disconnect"] = states
+    return disconnect(started)
 
 def watched_connect(cfg):
     seen["connect on main thread"] = threading.current_thread() is threading.main_thread()
@@ -42,6 +71,8 @@ def watched_scan(checked, **kwargs):
     seen["scan threads"].append(threading.current_thread().name)
     if INTERRUPT:  # a scan still at its start when the interrupt comes; on at once if it is never asked to stop
         kwargs["stop"].wait(30)
+    if WORKERS:  # a scan that outlasts the workers' asking
+        asked.wait(120)
     try:
         return scan_ids(checked, **kwargs)
     except BaseException as exc:
@@ -49,11 +80,16 @@ def watched_scan(checked, **kwargs):
         raise
 
 early.connect, early.scan_ids = watched_connect, watched_scan
+disconnect = early.disconnect
+if WORKERS:
+    early.disconnect = watched_disconnect
+checked = check_job(job, workers=2)
 try:
-    plan, up = early.scan_beside_ray(check_job(job, workers=2), alone_s=float(sys.argv[2]))
+    plan, up = early.scan_beside_ray(checked, alone_s=float(sys.argv[2]),
+                                     start_workers=start_workers if WORKERS else None)
 except BaseException as exc:
     seen["error"] = f"{type(exc).__name__}: {exc}"
-    seen["scan alive"] = any(t.name == "embedpipe-id-scan" and t.is_alive() for t in threading.enumerate())
+    seen["scan alive"] = scan_alive()
 else:
     alone = preflight(job, workers=2)
     seen["same plan"] = (plan.units == alone.units and plan.duplicate_rows == alone.duplicate_rows
@@ -63,16 +99,20 @@ else:
         seen["early started"] = up.started
         seen["model shipped"] = up.model.sha256 == model_fingerprint(plan.model.dir)
         seen["chunks readable"] = ray.get(up.model.chunks[0][0])[:1] != b""
-        early.disconnect(up.started)
+        if up.workers is not None:
+            seen["workers asked"] = [slot.index for slot in up.workers._slots if slot.actor is not None]
+        up.close()
 seen["ray up after"] = ray.is_initialized()
 print("RESULT " + json.dumps(seen))
 """
 
 
-def _beside(raw: dict, *, alone_s: float = 0.0, interrupt: bool = False) -> dict:
-    """What scan_beside_ray did; ``alone_s`` 0: Ray is started beside any scan, however short."""
-    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s),
-                           "interrupt" if interrupt else "-"], capture_output=True, text=True, timeout=240)
+def _beside(raw: dict, *, alone_s: float = 0.0, interrupt: bool = False, workers: bool = False) -> dict:
+    """What scan_beside_ray did; ``alone_s`` 0: Ray is started beside any scan, however short. ``workers``: the
+    run's workers asked for beside the scan, which waits for them."""
+    mode = "interrupt" if interrupt else "workers" if workers else "-"
+    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s), mode],
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -124,6 +164,23 @@ def test_an_interrupt_beside_the_scan_stops_the_scan_and_shuts_ray_down_before_i
     assert seen["ray up after"] is False, seen
 
 
+def test_the_runs_workers_are_asked_for_beside_the_scan_and_ended_when_it_fails(tmp_path):
+    """With start_workers: the run's workers (one per planned worker, none beyond the units) are asked for while
+    the scan still runs (held here until they are), and handed over with Ray. A scan that fails ends them before
+    Ray is shut down."""
+    good = _corpus(tmp_path / "good", ["a", "b", "c"], ["d", "e"])
+    seen = _beside(_raw(tmp_path, good), workers=True)
+    assert "error" not in seen and seen["same plan"], seen
+    assert seen["scan alive when workers asked"] is True and seen["workers asked"] == [0, 1], seen
+    assert seen["worker actors at disconnect"] == ["DEAD", "DEAD"], seen  # close() ended them, then Ray
+    bad = _corpus(tmp_path / "bad", ["a", "b"], ["b"])
+    seen = _beside(_raw(tmp_path / "bad", bad), workers=True)
+    assert seen["error"].startswith("InputError: 1 rows repeat an id"), seen
+    assert seen["scan alive when workers asked"] is True, seen
+    assert seen["worker actors at disconnect"] == ["DEAD", "DEAD"], seen
+    assert seen["ray up after"] is False, seen
+
+
 def test_a_short_scan_starts_nothing_beside_it_and_fails_as_fast_as_before(tmp_path):
     """A scan done within alone_s: no Ray started (the run connects itself, as it did before), and a bad input's
     error comes without a Ray started for it."""
@@ -150,3 +207,76 @@ def test_ray_is_started_beside_the_scan_only_where_the_run_will_want_it(tmp_path
     versioned = parse_job({"input": {"path": data}, "model": {"path": MODEL},
                            "output": {"path": str(out), "versioned": True}})
     assert _expects_work(versioned, overwrite=False)
+
+
+# In a fresh interpreter: run_job on the job given as JSON, its id scan held until the run's workers have been asked
+# for beside it ("early"), or as it comes ("plain": a scan this short starts nothing beside it).
+RUN = """
+import json, sys, threading
+import embedpipe.cluster.driver as driver
+import embedpipe.cluster.early as early
+from embedpipe.config import parse_job
+
+job, mode = parse_job(json.loads(sys.argv[1])), sys.argv[2]
+seen = {"pools": 0}
+asked = threading.Event()
+workers_asked, worker_pool, scan_ids = driver._workers_asked, driver._worker_pool, early.scan_ids
+
+def watched_asked(*args, **kwargs):
+    seen["scan alive when workers asked"] = any(t.name == "embedpipe-id-scan" and t.is_alive()
+                                                for t in threading.enumerate())
+    try:
+        return workers_asked(*args, **kwargs)
+    finally:
+        asked.set()
+
+def counted_pool(*args, **kwargs):
+    seen["pools"] += 1
+    return worker_pool(*args, **kwargs)
+
+def held_scan(checked, **kwargs):
+    asked.wait(120)
+    return scan_ids(checked, **kwargs)
+
+driver._worker_pool = counted_pool
+if mode == "early":
+    driver._workers_asked, early.scan_ids = watched_asked, held_scan
+result = driver.run_job(job, progress=False)
+seen["rows"], seen["workers"] = result.report["rows"], result.report["workers"]
+seen["failed starts"] = result.report["units"]["failed_starts"]
+print("RESULT " + json.dumps(seen))
+"""
+
+
+def _run(raw: dict, mode: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(raw), mode], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def _vectors(out) -> pa.Table:
+    return pq.read_table(out / "vectors" if (out / "vectors").exists() else out).sort_by("id")
+
+
+@pytest.mark.parametrize("versioned", [False, True], ids=["plain", "versioned"])
+def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_them_writes(tmp_path, versioned):
+    """The run takes the workers asked for beside its scan (no second pool), gives them its settings, and writes
+    the same vectors, bit for bit, as a run that started its workers after the scan: into the version's folder
+    when versioned."""
+    data = _corpus(tmp_path / "in", [f"a{i}" for i in range(40)], [f"b{i}" for i in range(40)],
+                   [f"c{i}" for i in range(40)])
+    outputs = {}
+    for mode in ("early", "plain"):
+        raw = _raw(tmp_path, data)
+        raw["output"] = {"path": str(tmp_path / mode), "versioned": versioned}
+        seen = _run(raw, mode)
+        assert seen["rows"] == 120 and seen["workers"] == 2 and seen["failed starts"] == [], seen
+        assert seen["pools"] == 1, seen  # the early run used the workers asked for beside its scan
+        if mode == "early":
+            assert seen["scan alive when workers asked"] is True, seen
+        else:
+            assert "scan alive when workers asked" not in seen, seen
+        root = tmp_path / mode
+        outputs[mode] = _vectors(root / "versions" / (root / "CURRENT").read_text().strip() if versioned else root)
+    assert outputs["early"].num_rows == 120 and outputs["early"].equals(outputs["plain"])

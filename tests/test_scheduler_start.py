@@ -101,3 +101,59 @@ def test_a_failed_start_prints_no_traceback_from_ray(tmp_path, ray_session, capf
     forwarded = _forwarded(ray_session, capfd, marker=f"after the run in {tmp_path.name}")
     assert f"/models/{tmp_path.name.rstrip('0123456789')}/" not in forwarded, forwarded  # the driver's line says it
     assert "creation task" not in forwarded, forwarded
+
+
+class ConfiguredWorker:
+    """Starts at once; its ``configure`` (the run's settings, its ready call) raises for the first ``bad`` calls
+    (counted in the file ``configures``). ``process`` answers with the setting it was configured with."""
+
+    def __init__(self, configures: str, bad: int):
+        self.configures, self.bad, self.setting = Path(configures), bad, None
+
+    def configure(self, setting: str) -> None:
+        with self.configures.open("a") as f:
+            f.write("configure\n")
+        if len(self.configures.read_text().splitlines()) <= self.bad:
+            raise PermissionError(f"the output {self.configures.parent.name} is not writable from this node")
+        self.setting = setting
+
+    def process(self, unit: Unit, ahead: Unit | None = None) -> str:
+        return f"{unit.id} {self.setting}"
+
+
+def _early(configures: Path, *, bad: int, workers: int) -> Scheduler:
+    actor_cls = worker_actor(ConfiguredWorker).options(num_cpus=0, max_restarts=0)
+    scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(configures), bad), workers=workers,
+                          max_attempts=3, depth=2,
+                          liveness=Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s=30))
+    scheduler.start()  # asked for before the units are known (beside the driver's id scan)
+    return scheduler
+
+
+def test_workers_started_before_the_run_are_configured_by_it_and_a_failed_configure_is_a_failed_start(tmp_path,
+                                                                                                     ray_session):
+    """start() asks for the actors before run() has units; run() gives each its settings by its ready call. A
+    configure that raises is a failed start: the worker is replaced (and configured in its turn), no unit loses an
+    attempt. keep() ends the slots beyond the units."""
+    configures = tmp_path / "configures.txt"
+    scheduler = _early(configures, bad=1, workers=2)
+    first = scheduler._slots[0].actor
+    scheduler.keep(1)
+    assert scheduler.workers == 1 and len(scheduler._slots) == 1 and scheduler._slots[0].actor is first
+    assert configures.exists() is False  # nothing configured before run()
+    results = sorted(scheduler.run(_units(3), ready=lambda actor: actor.configure.remote("night-1")))
+    assert results == [f"{u.id} night-1" for u in _units(3)]
+    assert len(configures.read_text().splitlines()) == 2  # the first worker's configure failed, its replacement's
+    assert scheduler.replaced == 1 and scheduler.retried == 0 and scheduler.retries == []
+    assert [f.worker for f in scheduler.start_failures] == [0]
+    assert "is not writable from this node" in scheduler.start_failures[0].error, scheduler.start_failures
+
+
+def test_workers_started_for_a_run_that_never_comes_are_ended_by_stop(tmp_path, ray_session):
+    scheduler = _early(tmp_path / "configures.txt", bad=0, workers=2)
+    actors = [slot.actor for slot in scheduler._slots]
+    ray_session.get([actor.started.remote() for actor in actors])  # both up
+    scheduler.stop()
+    for actor in actors:
+        with pytest.raises(ray_session.exceptions.RayActorError):
+            ray_session.get(actor.started.remote(), timeout=30)

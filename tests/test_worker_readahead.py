@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
-from embedpipe.cluster.worker import EmbedWorker, ReadAhead
+from embedpipe.cluster.worker import EmbedWorker, ReadAhead, WorkerSetup
 from embedpipe.config import load_job
 from embedpipe.units import Unit
 from tests.conftest import write_job
@@ -25,7 +25,9 @@ def worker(small_corpus, tmp_path_factory):
     job = load_job(write_job(out.parent / "job.yaml", name="readahead", input={"path": str(path)},
                              model={"path": MODEL, "dtype": "float32"}, output={"path": str(out)}))
     out.mkdir()
-    return EmbedWorker(job, model=None, index=0, threads=1), path, out
+    worker = EmbedWorker(job, model=None, index=0, threads=1)
+    worker.configure(WorkerSetup(output_path=str(out)))
+    return worker, path, out
 
 
 def _unit(path, group: int, copy: int = 0) -> Unit:
@@ -95,3 +97,15 @@ def test_a_call_for_another_unit_than_the_one_read_ahead_reads_its_own(worker):
     assert [unit for unit, _ in reads] == ["00002-00001", "00002-00002", "00002-00000"]
     assert reads[2][1] == threading.main_thread().name
     assert result.unit_id == "00002-00000" and result.counters["rows"] == 100
+
+
+def test_a_unit_before_configure_is_refused_and_nothing_is_written(small_corpus, tmp_path):
+    """The worker's start needs nothing of the run's planning; its first unit needs the run's settings."""
+    _, path = small_corpus
+    out = tmp_path / "out"
+    job = load_job(write_job(tmp_path / "job.yaml", name="unconfigured", input={"path": str(path)},
+                             model={"path": MODEL, "dtype": "float32"}, output={"path": str(out)}))
+    worker = EmbedWorker(job, model=None, index=3, threads=1)
+    with pytest.raises(RuntimeError, match=r"worker 3 was given .* before configure\(\)"):
+        worker.process(_unit(path, 0))
+    assert not out.exists()

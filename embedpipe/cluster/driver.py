@@ -20,16 +20,16 @@ import ray
 
 from embedpipe.cluster.calibrate import prepare_quantization
 from embedpipe.cluster.codeid import CodeId, this_code
-from embedpipe.cluster.connect import (connect, disconnect, expected_workers, local_gpus, plan_workers,
-                                       submitted_job_address)
+from embedpipe.cluster.connect import (WorkerPlan, connect, disconnect, expected_workers, local_gpus,
+                                       plan_workers, submitted_job_address)
 from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.early import EarlyRay, scan_beside_ray
-from embedpipe.cluster.modelship import ship_model
+from embedpipe.cluster.modelship import ShippedModel, ship_model
 from embedpipe.cluster.progress import progress_bar
 from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
 from embedpipe import versions
-from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental
+from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental, WorkerSetup
 from embedpipe.config import JobSpec, resolve_dtype
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
@@ -38,7 +38,7 @@ from embedpipe.io.fs import use_job_storage
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_salt
-from embedpipe.io.quantize import Calibration, read_record
+from embedpipe.io.quantize import Calibration, read_record, stored_type
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, check_job, scan_ids
@@ -77,7 +77,9 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         checked = check_job(job, workers=expected_workers(job.cluster).workers)  # bad files or model: fail here
         if _expects_work(job, overwrite=overwrite):  # Ray's start and the model's shipping beside the id scan
-            plan, early = scan_beside_ray(checked)  # duplicate or null ids: fail here, Ray shut down first
+            beside = (lambda model: _workers_asked(job, model=model, units=len(checked.units))
+                      if _workers_beside_scan(job) else None)
+            plan, early = scan_beside_ray(checked, start_workers=beside)  # bad ids: fail here, Ray shut down first
         else:
             plan, early = scan_ids(checked), None
         try:
@@ -91,7 +93,7 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
                               total=len(plan.units)) from None
         finally:
             if early is not None:  # a run that ended before it got to Ray (a held lock, a mismatched output)
-                disconnect(early.started)  # a no-op once the run shut it down itself
+                early.close()  # its workers ended and Ray shut down: a no-op once the run did both itself
 
 
 def _expects_work(job: JobSpec, *, overwrite: bool) -> bool:
@@ -102,6 +104,35 @@ def _expects_work(job: JobSpec, *, overwrite: bool) -> bool:
         return True
     layout = OutputLayout(tree_path(job.output.path))
     return not layout.store.exists(layout.report_json)
+
+
+def _workers_beside_scan(job: JobSpec) -> bool:
+    """Whether the run's workers may be asked for beside the id scan: only where nothing of the run needs Ray's
+    CPUs or GPUs before them. An incremental run's diff and an int8/uint8 calibration run as Ray tasks first; with
+    the workers holding every CPU (the embedded default) they would never be placed."""
+    return not job.output.incremental and not stored_type(job.output.dtype).calibrated
+
+
+def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Scheduler:
+    """The run's workers, asked for now (``Scheduler.start``): one per planned worker, at most one per unit."""
+    workers = plan_workers(job.cluster)
+    scheduler = _worker_pool(job, model=model, workers=workers, code=this_code(), count=min(workers.workers, units))
+    scheduler.start()
+    return scheduler
+
+
+def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
+    """The embedding workers' scheduler, ``count`` slots; each worker gets the run's settings by its ready call
+    (``EmbedWorker.configure``, given to ``Scheduler.run``)."""
+    actor_cls = worker_actor(EmbedWorker).options(num_cpus=workers.cpus_per_worker, num_gpus=workers.gpus_per_worker,
+                                                  max_restarts=0)
+    return Scheduler(
+        make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot, threads=workers.cpus_per_worker,
+                                                 code=code),
+        workers=count, max_attempts=job.cluster.max_attempts, on_error=job.cluster.on_error,
+        liveness=Liveness.from_config(job.cluster),
+        resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker},
+        depth=READ_AHEAD + 1)  # one unit held per worker: it reads that one while it encodes
 
 
 @dataclass(frozen=True)
@@ -214,6 +245,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     the run started (run_job's entry, before preflight); None: now. ``early``: the Ray and shipped model run_job
     set up beside the id scan (this run shuts that Ray down, as one it started); None: they are set up here."""
     owned = early is not None and early.started  # Ray started beside the scan: this run's to shut down
+    early_workers = early.workers if early is not None else None  # asked for beside the scan: this run's
     clock = clock or RunClock.now()
     started, started_at = clock.perf, clock.wall
     index_build = plan_index_build(job, plan.units, plan.index)  # None for parquet; checked by preflight
@@ -257,20 +289,14 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                                previous=tree_path(incremental.previous).parent if incremental
                                                and incremental.previous else None)
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
-            actor_cls = worker_actor(EmbedWorker).options(num_cpus=workers.cpus_per_worker,
-                                                          num_gpus=workers.gpus_per_worker, max_restarts=0)
-            scheduler = Scheduler(
-                make_actor=lambda slot: actor_cls.remote(job, model=model, index=slot,
-                                                         threads=workers.cpus_per_worker,
-                                                         incremental=incremental, calibration=calibration,
-                                                         description=description, code=code),
-                workers=min(workers.workers, len(todo)), max_attempts=job.cluster.max_attempts,
-                on_error=job.cluster.on_error, liveness=Liveness.from_config(job.cluster),
-                resources={"CPU": workers.cpus_per_worker, "GPU": workers.gpus_per_worker},
-                depth=READ_AHEAD + 1)  # one unit held per worker: it reads that one while it encodes
+            setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
+                                description=description)
+            # asked for beside the id scan, or now
+            scheduler = early_workers or _worker_pool(job, model=model, workers=workers, code=code, count=len(todo))
+            scheduler.keep(min(workers.workers, len(todo)))  # a resumed run may have fewer units left than workers
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
-                for result in scheduler.run(todo):
+                for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):
                     counters = Counters.from_dict(result.counters)
                     this_run.merge(counters)
                     per_worker[result.worker].merge(counters)
@@ -291,6 +317,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         record = read_record(output) or {}  # the calibration of the finished run, for its record
         calibration = Calibration(**record["calibration"]) if "calibration" in record else None
         _describe(job, plan, output, calibration)
+        if early_workers is not None:  # nothing to embed: their CPUs and GPUs are the index's shards'
+            early_workers.stop()
         index_report = _index_alone(job, index_build) if index_build else None  # nothing left to embed
         disconnect(owned)  # a Ray started beside the id scan (the index's shards ran on it), now done with
 

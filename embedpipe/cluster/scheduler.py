@@ -26,7 +26,9 @@ Liveness (``Liveness``): the driver never waits on a worker without a bound.
 
 Its workers are Ray actors of ``worker_actor(cls)``: ``cls`` has ``process(unit[, ahead])``; the wrapper keeps an
 error its ``__init__`` raised and answers ``started()`` with it, as a call's error. The driver then says it in one
-line, as it says a unit's. Raised from ``__init__``, Ray would also print the worker's traceback on the driver's
+line, as it says a unit's. A worker's start is answered by its ready call: ``started()``, or the call ``run`` is
+given (``ready``: the embedding workers' ``configure``, with the run's settings). ``start()`` asks for the actors
+before ``run`` has units (beside the driver's id scan, cluster/early.py); ``run`` then makes their ready calls. Raised from ``__init__``, Ray would also print the worker's traceback on the driver's
 terminal (its "Exception raised in creation task" log, forwarded by ``log_to_driver``).
 """
 
@@ -192,13 +194,42 @@ class Scheduler:
     replaced: int = 0  # actors started to replace dead or stalled ones
     given_up: int = 0  # slots left empty: their actor could not be placed, or their workers kept failing to start
     depth: int = 1  # units a worker holds; above 1 its actor takes process(unit, ahead=the unit held after it)
+    _slots: list[_Slot] = field(default_factory=list, init=False, repr=False)
+    _ready: Callable[[Any], Any] | None = field(default=None, init=False, repr=False)
 
-    def run(self, units: list) -> Iterator:
-        """Yield each unit's result as it finishes (completion order)."""
+    def start(self) -> None:
+        """Ask Ray for every slot's actor now, before ``run`` has its units: their starts (process, imports, model
+        load) go on while the caller plans. ``run`` then makes each one's ready call. ``stop`` ends them if ``run``
+        never comes."""
+        now = time.monotonic()
+        self._slots = [_Slot(index=i, actor=self.make_actor(i), created=now, ready_ref=None)
+                       for i in range(self.workers)]
+
+    def keep(self, workers: int) -> None:
+        """Run ``workers`` workers at most (fewer units than workers); the slots started beyond them are ended."""
+        for slot in self._slots[workers:]:
+            _kill(slot.actor)
+        self._slots, self.workers = self._slots[:workers], min(self.workers, workers)
+
+    def stop(self) -> None:
+        """End every actor this scheduler asked for (those ``start`` asked for before a ``run`` that never came)."""
+        for slot in self._slots:
+            _kill(slot.actor)
+            slot.actor = None
+
+    def run(self, units: list, *, ready: Callable[[Any], Any] | None = None) -> Iterator:
+        """Yield each unit's result as it finishes (completion order). ``ready``: a new actor -> the reference of
+        the call that answers its start (an actor's settings, given before its first unit: the embedding workers'
+        ``configure``); None: its ``started()``. Every actor's start is answered before its first unit's result."""
         self._queue, self._attempts = deque(units), {u.id: 0 for u in units}
         self._slowest: float | None = None  # slowest seconds per row of a finished unit
         self._gave_up_starting: str | None = None  # the line of the last slot given up for its failed starts
-        self._slots = [self._start(i) for i in range(self.workers)]
+        self._ready = ready
+        if self._slots:  # asked for by start(): their ready calls now
+            for slot in self._slots:
+                slot.ready_ref = self._ready_call(slot.actor)
+        else:
+            self._slots = [self._start(i) for i in range(self.workers)]
         try:
             self._fill()
             while self._queue or any(s.calls for s in self._slots):
@@ -357,7 +388,10 @@ class Scheduler:
 
     def _start(self, index: int) -> _Slot:
         actor = self.make_actor(index)
-        return _Slot(index=index, actor=actor, created=time.monotonic(), ready_ref=actor.started.remote())
+        return _Slot(index=index, actor=actor, created=time.monotonic(), ready_ref=self._ready_call(actor))
+
+    def _ready_call(self, actor) -> Any:
+        return actor.started.remote() if self._ready is None else self._ready(actor)
 
     def _replace(self, slot: _Slot) -> None:
         _kill(slot.actor)
@@ -439,7 +473,9 @@ def disk_problem(exc: BaseException) -> str | None:
 def worker_actor(cls: type) -> Any:
     """``ray.remote`` of ``cls`` for the Scheduler: an error its ``__init__`` raises is kept and raised by
     ``started()``, and a ``process`` call queued behind that start returns None without running (the scheduler
-    replaces the worker and requeues the unit). Ray knows it by ``cls``'s name (``EmbedWorker``)."""
+    replaces the worker and requeues the unit). Where ``cls`` has ``configure`` (the second half of its start, made
+    as ``Scheduler.run``'s ready call), that call raises the kept error, or its own, which is kept the same way.
+    Ray knows it by ``cls``'s name (``EmbedWorker``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self._start_error = None
@@ -455,7 +491,18 @@ def worker_actor(cls: type) -> Any:
     def process(self, *args, **kwargs):
         return None if self._start_error is not None else cls.process(self, *args, **kwargs)
 
-    kept = type(cls.__name__, (cls,), {"__init__": __init__, "started": started, "process": process,
+    methods = {"__init__": __init__, "started": started, "process": process}
+    if hasattr(cls, "configure"):
+        def configure(self, *args, **kwargs):  # a ready call (Scheduler.run's ready): the start's error first
+            started(self)
+            try:
+                return cls.configure(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - a failed start: the calls queued behind it do not run
+                self._start_error = exc
+                raise
+
+        methods["configure"] = configure
+    kept = type(cls.__name__, (cls,), {**methods,
                                        "__doc__": cls.__doc__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})  # Ray's class_name; pickled by value
     # (cloudpickle pickles a class by reference only when its module's attribute of that name is the class itself)

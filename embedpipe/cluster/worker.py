@@ -42,6 +42,17 @@ class Incremental:
     moved: dict = field(default_factory=dict)  # the night's diff: unit id -> (id, part) of rows found elsewhere
 
 
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker is given once the run's planning is done (``EmbedWorker.configure``): its workers may have
+    started before it, beside the id scan (cluster/early.py)."""
+
+    output_path: str  # the run's output folder (a versioned output's: the version's own)
+    incremental: Incremental | None = None
+    calibration: Any = None  # the run's int8/uint8 ranges (io.quantize.Calibration), the same on every worker
+    description: Any = None  # the output's record (io.describe.OutputDescription), in every part's schema metadata
+
+
 @dataclass
 class UnitResult:
     unit_id: str
@@ -58,24 +69,20 @@ class EmbedWorker:
     """Plain class; the driver wraps it with ``ray.remote`` and its resources (one call at a time: the read-ahead
     is this worker's own thread)."""
 
-    def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int,
-                 incremental: Incremental | None = None, calibration=None, description=None,
-                 code: CodeId | None = None):
-        """``model``: the run's model in the object store; this worker loads it from its node's cache,
-        never from ``model.path``. ``code``: the driver's embedpipe (cluster/codeid.py): a worker running other
-        code fails its first unit (None: not checked). ``calibration``: the run's int8/uint8 ranges
-        (embedpipe.io.quantize.Calibration), the same on every worker, replacements included: the
-        driver fits them before any worker starts. ``description``: the output's record
-        (embedpipe.io.describe.OutputDescription), put in every part's schema metadata."""
+    def __init__(self, job: JobSpec, *, model: ShippedModel, index: int, threads: int, code: CodeId | None = None):
+        """The worker's own start, which needs nothing of the run's planning: its model loaded and warmed up, its
+        reader and device. ``configure`` then gives it the run's settings, before its first unit (the scheduler
+        makes that call, as a new worker's ready call). ``model``: the run's model in the object store; this worker
+        loads it from its node's cache, never from ``model.path``. ``code``: the driver's embedpipe
+        (cluster/codeid.py): a worker running other code fails its first unit (None: not checked)."""
         logging.basicConfig(level=logging.WARNING)
         from embedpipe.io.fs import use_job_storage
 
         use_job_storage(job)  # the job's storage_options reach every worker on every node
         job = job_on_node(job, model)  # model.path: this node's cached copy, fetched once per node
+        self.job = job
         self.node = node_name()
-        from embedpipe.io.manifest import Manifest
         from embedpipe.io.formats import UnitReader
-        from embedpipe.io.writer import ParquetPartWriter
         from embedpipe.runtime import Encoder
 
         self.index, self.threads = index, threads
@@ -84,21 +91,31 @@ class EmbedWorker:
         self.reader = UnitReader(text_column=job.input.text_column, id_column=job.input.id_column,
                                  on_bad_row=job.input.on_bad_row)
         self.encoder = Encoder.from_job(job, threads=threads)
-        self.writer = ParquetPartWriter(output_path=job.output.path, dtype=job.output.dtype, calibration=calibration,
-                                        dim=self.encoder.dim, description=description)
-        self.manifest = Manifest(job.output.path)
         self.document_vectors = job.output.document_vectors == "mean" and self.encoder.chunker is not None
-        self.incremental = incremental
-        self.previous = None
-        if incremental is not None and incremental.previous:
-            from embedpipe.io.reuse import PreviousVectors
-
-            self.previous = PreviousVectors(incremental.previous, parts=incremental.previous_parts)
+        self.setup: WorkerSetup | None = None  # configure's
         from embedpipe.report.device import describe_device
 
         # the device and its peak FLOP/s in the model's dtype: a short matmul probe, once per machine
         self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,),
                                       linears=self.encoder.linears).to_dict()
+
+    def configure(self, setup: "WorkerSetup") -> None:
+        """The run's settings (``WorkerSetup``): where this worker writes, and what the run's planning decided.
+        An error here is a failed start, as one of ``__init__``'s."""
+        from embedpipe.io.manifest import Manifest
+        from embedpipe.io.writer import ParquetPartWriter
+
+        self.writer = ParquetPartWriter(output_path=setup.output_path, dtype=self.job.output.dtype,
+                                        calibration=setup.calibration, dim=self.encoder.dim,
+                                        description=setup.description)
+        self.manifest = Manifest(setup.output_path)
+        self.incremental = setup.incremental
+        self.previous = None
+        if setup.incremental is not None and setup.incremental.previous:
+            from embedpipe.io.reuse import PreviousVectors
+
+            self.previous = PreviousVectors(setup.incremental.previous, parts=setup.incremental.previous_parts)
+        self.setup = setup
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
         """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)
@@ -107,6 +124,9 @@ class EmbedWorker:
         Memory: two units (this one encoding, the next one tokenized)."""
         # before anything is read or written (this_code is cached): never retried
         check_same_code(self.code, who=f"worker {self.index}", node=self.node)
+        if self.setup is None:
+            raise RuntimeError(f"worker {self.index} was given {unit.label} before configure(): the run's scheduler "
+                               "calls it first; this is embedpipe's bug, report it")
         try:
             taken = self._ahead.take(unit)  # (counters, _Ahead); None: it was not read ahead
             # not read ahead: read first, alone (the read-ahead is for the encode's time)
