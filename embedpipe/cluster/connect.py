@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import ray
 
 from embedpipe.cluster.embedded import kill_autoscaler_monitor, local_system_config, trimmed_start
+from embedpipe.cluster.signals import python_handlers_kept
 from embedpipe.config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -30,7 +27,7 @@ def connect(cfg: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    with _keep_signal_handlers():
+    with python_handlers_kept():  # ray.init replaces SIGTERM's: a run's own handler (run_job's interrupt) stays
         _init(cfg)
     return True
 
@@ -48,20 +45,6 @@ def disconnect(started: bool) -> None:
         return
     kill_autoscaler_monitor()
     ray.shutdown()
-
-
-@contextmanager
-def _keep_signal_handlers() -> Iterator[None]:
-    """ray.init replaces SIGTERM's handler (sys.exit, behind a C++ stack dump, exit 134 or 15): a SIGTERM or
-    SIGINT handler the driver set from Python (run_job's interrupt) is put back, so a signal stops the run
-    cleanly. Handlers nobody set (the defaults) are left as Ray set them."""
-    ours = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for signum, handler in ours.items():
-        if callable(handler) and handler is not signal.default_int_handler:
-            signal.signal(signum, handler)
 
 
 # Ray's notices about itself on an embedded Ray (its token-auth notice on every start, among them): shown only

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -28,6 +27,7 @@ from embedpipe.cluster.modelship import ShippedModel, ship_model
 from embedpipe.cluster.progress import progress_bar
 from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
+from embedpipe.cluster.signals import handled
 from embedpipe import versions
 from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental, WorkerSetup
 from embedpipe.config import JobSpec, resolve_dtype
@@ -169,9 +169,6 @@ def _signals_interrupt() -> Iterator[None]:
     """SIGTERM and SIGINT raise `Interrupted` in the main thread, for the first signal only: a second one
     while the run cleans up (lock, Ray) is ignored so the cleanup finishes. Handlers restored on the way out;
     outside the main thread (where Python cannot set handlers) nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     stopping: list[int] = []
 
     def stop(signum: int, frame) -> None:
@@ -180,12 +177,8 @@ def _signals_interrupt() -> Iterator[None]:
         stopping.append(signum)
         raise Interrupted(signum=signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with handled(stop):
         yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _units_done(job: JobSpec, plan: RunPlan) -> int | None:

@@ -34,6 +34,7 @@ import ray
 
 from embedpipe.cluster.connect import connect, disconnect
 from embedpipe.cluster.modelship import ShippedModel, ship_model
+from embedpipe.cluster.signals import handled
 from embedpipe.preflight import CheckedJob, RunPlan, scan_ids
 
 SCAN_ALONE_S = 0.5  # a scan done within this starts no Ray beside it (the quickstart's, 3,000 rows: 0.25 s)
@@ -125,13 +126,5 @@ def _signals_held() -> Iterator[list[int]]:
     into a 6·10^6-row run hung it). An ignored signal stays ignored. Outside the main thread (no handlers can be set
     there) nothing changes."""
     held: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    with handled(lambda signum, frame: held.append(signum), ignored_stay=True):
         yield held
-        return
-    previous = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
-                for signum in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(signum) is not signal.SIG_IGN}
-    try:
-        yield held
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
