@@ -235,8 +235,9 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
               early: EarlyRay | None = None) -> RunResult:
     """``fingerprint``: the job's, when the caller has it already (it leaves output.path out, so a version
     folder's is its root's): the model's files and the input stamps are then read once per run. ``clock``: when
-    the run started (run_job's entry, before preflight); None: now. ``early``: the Ray and shipped model run_job
-    set up beside the id scan (this run shuts that Ray down, as one it started); None: they are set up here."""
+    the run started (run_job's entry, before preflight); None: now. ``early``: the Ray, shipped model and workers
+    run_job set up beside the id scan (this run shuts that Ray down, as one it started, and runs or ends those
+    workers); None: they are set up here."""
     owned = early is not None and early.started  # Ray started beside the scan: this run's to shut down
     early_workers = early.workers if early is not None else None  # asked for beside the scan: this run's
     clock = clock or RunClock.now()
@@ -284,8 +285,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             description = _describe(job, plan, output, calibration)  # before any part: they carry it
             setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
                                 description=description)
-            # asked for beside the id scan, or now
-            scheduler = early_workers or _worker_pool(job, model=model, workers=workers, code=code, count=len(todo))
+            scheduler = (early_workers if early_workers is not None  # asked for beside the id scan, or now
+                         else _worker_pool(job, model=model, workers=workers, code=code, count=len(todo)))
             scheduler.keep(min(workers.workers, len(todo)))  # a resumed run may have fewer units left than workers
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:

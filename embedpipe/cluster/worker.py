@@ -80,7 +80,7 @@ class EmbedWorker:
 
         use_job_storage(job)  # the job's storage_options reach every worker on every node
         job = job_on_node(job, model)  # model.path: this node's cached copy, fetched once per node
-        self.job = job
+        self.output_dtype = job.output.dtype
         self.node = node_name()
         from embedpipe.io.formats import UnitReader
         from embedpipe.runtime import Encoder
@@ -99,13 +99,13 @@ class EmbedWorker:
         self.device = describe_device(self.encoder.device, dtypes=(job.model.dtype,),
                                       linears=self.encoder.linears).to_dict()
 
-    def configure(self, setup: "WorkerSetup") -> None:
+    def configure(self, setup: WorkerSetup) -> None:
         """The run's settings (``WorkerSetup``): where this worker writes, and what the run's planning decided.
         An error here is a failed start, as one of ``__init__``'s."""
         from embedpipe.io.manifest import Manifest
         from embedpipe.io.writer import ParquetPartWriter
 
-        self.writer = ParquetPartWriter(output_path=setup.output_path, dtype=self.job.output.dtype,
+        self.writer = ParquetPartWriter(output_path=setup.output_path, dtype=self.output_dtype,
                                         calibration=setup.calibration, dim=self.encoder.dim,
                                         description=setup.description)
         self.manifest = Manifest(setup.output_path)
