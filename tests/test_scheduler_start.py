@@ -157,3 +157,21 @@ def test_workers_started_for_a_run_that_never_comes_are_ended_by_stop(tmp_path, 
     for actor in actors:
         with pytest.raises(ray_session.exceptions.RayActorError):
             ray_session.get(actor.started.remote(), timeout=30)
+
+
+def test_an_ask_that_fails_part_way_ends_the_workers_already_asked_for(tmp_path, ray_session):
+    actor_cls = worker_actor(ConfiguredWorker).options(num_cpus=0, max_restarts=0)
+    made = []
+
+    def make_actor(slot: int):
+        if slot == 1:
+            raise ValueError("no such node pool")
+        made.append(actor_cls.remote(str(tmp_path / "configures.txt"), 0))
+        return made[-1]
+
+    scheduler = Scheduler(make_actor=make_actor, workers=2)
+    with pytest.raises(ValueError, match="no such node pool"):
+        scheduler.start()
+    assert len(made) == 1
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        ray_session.get(made[0].started.remote(), timeout=30)

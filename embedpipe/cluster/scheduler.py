@@ -201,9 +201,13 @@ class Scheduler:
         """Ask Ray for every slot's actor now, before ``run`` has its units: their starts (process, imports, model
         load) go on while the caller plans. ``run`` then makes each one's ready call. ``stop`` ends them if ``run``
         never comes."""
-        now = time.monotonic()
-        self._slots = [_Slot(index=i, actor=self.make_actor(i), created=now, ready_ref=None)
-                       for i in range(self.workers)]
+        now, self._slots = time.monotonic(), []
+        try:
+            for i in range(self.workers):
+                self._slots.append(_Slot(index=i, actor=self.make_actor(i), created=now, ready_ref=None))
+        except BaseException:  # the actors asked for so far are ended: the caller gets no scheduler to stop
+            self.stop()
+            raise
 
     def keep(self, workers: int) -> None:
         """Run ``workers`` workers at most (fewer units than workers); the slots started beyond them are ended."""
