@@ -26,10 +26,11 @@ Liveness (``Liveness``): the driver never waits on a worker without a bound.
 
 Its workers are Ray actors of ``worker_actor(cls)``: ``cls`` has ``process(unit[, ahead])``; the wrapper keeps an
 error its ``__init__`` raised and answers ``started()`` with it, as a call's error. The driver then says it in one
-line, as it says a unit's. A worker's start is answered by its ready call: ``started()``, or the call ``run`` is
-given (``ready``: the embedding workers' ``configure``, with the run's settings). ``start()`` asks for the actors
-before ``run`` has units (beside the driver's id scan, cluster/early.py); ``run`` then makes their ready calls. Raised from ``__init__``, Ray would also print the worker's traceback on the driver's
-terminal (its "Exception raised in creation task" log, forwarded by ``log_to_driver``).
+line, as it says a unit's. Raised from ``__init__``, Ray would also print the worker's traceback on the driver's
+terminal (its "Exception raised in creation task" log, forwarded by ``log_to_driver``). A worker's start is
+answered by its ready call: ``started()``, or the call ``run`` is given (``ready``: the embedding workers'
+``configure``, with the run's settings). ``start()`` asks for the actors before ``run`` has units (beside the
+driver's id scan, cluster/early.py); ``run`` then makes their ready calls.
 """
 
 from __future__ import annotations
