@@ -111,8 +111,12 @@ def _beside(raw: dict, *, alone_s: float = 0.0, interrupt: bool = False, workers
     """What scan_beside_ray did; ``alone_s`` 0: Ray is started beside any scan, however short. ``workers``: the
     run's workers asked for beside the scan, which waits for them."""
     mode = "interrupt" if interrupt else "workers" if workers else "-"
-    done = subprocess.run([sys.executable, "-c", BESIDE, json.dumps(raw), str(alone_s), mode],
-                          capture_output=True, text=True, timeout=240)
+    return _result(BESIDE, json.dumps(raw), str(alone_s), mode, timeout=240)
+
+
+def _result(script: str, *args: str, timeout: float) -> dict:
+    """What ``script`` saw, run in a fresh interpreter with ``args``: its ``RESULT {json}`` line."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -249,10 +253,7 @@ print("RESULT " + json.dumps(seen))
 
 
 def _run(raw: dict, mode: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(raw), mode], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    return _result(RUN, json.dumps(raw), mode, timeout=300)
 
 
 def _vectors(out) -> pa.Table:
