@@ -286,8 +286,9 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
                                 description=description)
             scheduler = (early_workers if early_workers is not None  # asked for beside the id scan, or now
-                         else _worker_pool(job, model=model, workers=workers, code=code, count=len(todo)))
-            scheduler.keep(min(workers.workers, len(todo)))  # a resumed run may have fewer units left than workers
+                         else _worker_pool(job, model=model, workers=workers, code=code,
+                                           count=min(workers.workers, len(todo))))
+            scheduler.keep(min(workers.workers, len(todo)))  # early ones: a resumed run may have fewer units left
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):
