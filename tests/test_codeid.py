@@ -1,7 +1,7 @@
 """A worker running other embedpipe code than its driver's fails the run (cluster/codeid.py): the identity itself,
-the scheduler's refusal to retry it (real Ray actors), the run's other Ray work (the int8 calibration task, the
-incremental diff's tasks, the index's shard workers) checking it too, and the real CLI started from a folder holding
-another embedpipe/ package, which Ray puts first on its workers' import path."""
+the scheduler's refusal to retry it (real Ray actors), the run's other Ray work (the int8 calibration's sample on a
+worker, the incremental diff's tasks, the index's shard workers) checking it too, and the real CLI started from a
+folder holding another embedpipe/ package, which Ray puts first on its workers' import path."""
 
 from __future__ import annotations
 
@@ -102,12 +102,19 @@ def _other_code() -> CodeId:
 
 def _calibration(tmp_path: Path, corpus: Path, units: list) -> None:
     from embedpipe.cluster.calibrate import fit
+    from embedpipe.cluster.connect import WorkerPlan
+    from embedpipe.cluster.driver import _worker_pool
     from embedpipe.config import load_job
 
     job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
                              model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
                              output={"path": str(tmp_path / "out"), "dtype": "int8"}))
-    fit(job, units, cpus=1, gpus=0, code=_other_code())
+    pool = _worker_pool(job, model=None, workers=WorkerPlan(workers=1, cpus_per_worker=1, gpus_per_worker=0),
+                        code=_other_code(), count=1)  # the run's workers, as the driver makes them
+    try:
+        fit(job, units, embed=lambda texts: pool.call_one(lambda actor: actor.embed_sample.remote(texts)))
+    finally:
+        pool.stop()
 
 
 def _diff(tmp_path: Path, corpus: Path, units: list) -> None:
@@ -142,7 +149,7 @@ def _shards(tmp_path: Path, corpus: Path, units: list) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("work, who", [(_calibration, "the int8 calibration task"),
+@pytest.mark.parametrize("work, who", [(_calibration, "the int8 calibration on worker 0"),
                                        (_diff, "an incremental diff task"), (_shards, "index shard worker 0")])
 def test_the_runs_other_ray_work_checks_the_drivers_code(tmp_path, small_corpus, ray_session, work, who):
     """The calibration's ranges quantize every part, the diff decides which rows are reused, a shard is part of the

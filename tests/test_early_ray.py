@@ -260,17 +260,19 @@ def _vectors(out) -> pa.Table:
     return pq.read_table(out / "vectors" if (out / "vectors").exists() else out).sort_by("id")
 
 
-@pytest.mark.parametrize("versioned", [False, True], ids=["plain", "versioned"])
-def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_them_writes(tmp_path, versioned):
+@pytest.mark.parametrize("output", [{}, {"versioned": True}, {"dtype": "int8", "calibration_rows": 60}],
+                         ids=["plain", "versioned", "int8"])
+def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_them_writes(tmp_path, output):
     """The run takes the workers asked for beside its scan (no second pool), gives them its settings, and writes
     the same vectors, bit for bit, as a run that started its workers after the scan: into the version's folder
-    when versioned."""
+    when versioned; int8 with the same calibration, its sample embedded by one of those workers."""
+    versioned = output.get("versioned", False)
     data = _corpus(tmp_path / "in", [f"a{i}" for i in range(40)], [f"b{i}" for i in range(40)],
                    [f"c{i}" for i in range(40)])
     outputs = {}
     for mode in ("early", "plain"):
         raw = _raw(tmp_path, data)
-        raw["output"] = {"path": str(tmp_path / mode), "versioned": versioned}
+        raw["output"] = {"path": str(tmp_path / mode), **output}
         seen = _run(raw, mode)
         assert seen["rows"] == 120 and seen["workers"] == 2 and seen["failed starts"] == [], seen
         assert seen["pools"] == 1, seen  # the early run used the workers asked for beside its scan
@@ -281,3 +283,6 @@ def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_t
         root = tmp_path / mode
         outputs[mode] = _vectors(root / "versions" / (root / "CURRENT").read_text().strip() if versioned else root)
     assert outputs["early"].num_rows == 120 and outputs["early"].equals(outputs["plain"])
+    if "dtype" in output:
+        records = [json.loads((tmp_path / mode / "quantization.json").read_text()) for mode in ("early", "plain")]
+        assert records[0]["calibration"]["rows"] == 60 and records[0] == records[1], records

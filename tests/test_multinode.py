@@ -8,7 +8,7 @@ through the real CLI with ``cluster.address`` set to the cluster's address:
 
 - A (float32): the model is a copy of MiniLM in a tmp folder; a hook renames that folder away as soon
   as the driver has put it in the object store, so a worker that read ``model.path`` would fail.
-- B (int8: the calibration task loads the model too, with its folder renamed away as well): once two
+- B (int8: a worker embeds the calibration's sample, with the model's folder renamed away as well): once two
   units are done, the node of the worker about to be handed the next unit is removed, and the
   unit handed to its dead worker (from the driver's loop).
 """
@@ -136,7 +136,7 @@ def test_a_node_lost_mid_run_loses_no_row_and_lists_the_retried_units(scenario, 
 
     answer, work = scenario
     b = answer["b"]
-    assert b["moved"] == [str((work / "model_b").resolve())]  # calibration and workers: never model.path
+    assert b["moved"] == [str((work / "model_b").resolve())]  # workers (the calibration's sample too): not model.path
     removed = b["removed"]
     assert removed in answer["caches"]
     report = json.loads((work / "out_b" / "report.json").read_text())

@@ -112,7 +112,7 @@ def test_cli_reports_bad_input_before_any_worker(tmp_path, monkeypatch):
 def test_the_model_is_resolved_once_per_run(tmp_path, ray_session, quickstart_table, monkeypatch):
     """One resolution of model.path in the driver per run (preflight's), whatever the run does after:
     output.dim checked against the model, a sharded FAISS index (plan, shard workers, report FLOPs),
-    and an int8 run (calibration and its record). Workers and the calibration task are other processes."""
+    and an int8 run (calibration and its record). Workers (the calibration's sample too) are other processes."""
     from embedpipe.cluster.driver import run_job
     from embedpipe.config import load_job
     from embedpipe.models import resolve

@@ -115,8 +115,8 @@ def test_calibration_sample_is_seeded_spread_and_skips_bad_rows(tmp_path, quicks
 
 
 def test_calibration_is_kept_once_fitted(tmp_path):
-    """A resumed run reads its own record; an incremental run takes the previous version's (no Ray here:
-    fitting would need it, so reaching it would fail the test)."""
+    """A resumed run reads its own record; an incremental run takes the previous version's (no embed given:
+    reaching a fit would raise, and fail the test)."""
     from embedpipe.config import job_from_dict
 
     calibration = fit_calibration(_vectors(40, 384, 5), precision="int8", seed=9, input_rows=40)
@@ -126,12 +126,12 @@ def test_calibration_is_kept_once_fitted(tmp_path):
                                                "calibration": json.loads(calibration.to_json())}))
     job = job_from_dict({"input": {"path": str(tmp_path)}, "model": {"path": "sentence-transformers/all-MiniLM-L6-v2"},
                          "output": {"path": str(out), "dtype": "int8"}})
-    got = prepare_quantization(job, [], out, dim=384, previous=previous, cpus=1, gpus=0)
+    got = prepare_quantization(job, [], out, dim=384, previous=previous)
     assert got == calibration
     assert json.loads((out / RECORD).read_text())["calibration"] == json.loads(calibration.to_json())
-    assert prepare_quantization(job, [], out, dim=384, previous=None, cpus=1, gpus=0) == calibration  # resumed: its own
+    assert prepare_quantization(job, [], out, dim=384, previous=None) == calibration  # resumed: its own
     binary = job.replace(output={"dtype": "binary"})
-    assert prepare_quantization(binary, [], out, dim=384, previous=None, cpus=1, gpus=0) is None
+    assert prepare_quantization(binary, [], out, dim=384, previous=None) is None
     assert json.loads((out / RECORD).read_text()) == {"dtype": "binary", "dim": 384, "width": 48}
 
 

@@ -5,6 +5,7 @@ one line in a file, so a start can fail a given number of times."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,43 @@ def test_a_failed_start_prints_no_traceback_from_ray(tmp_path, ray_session, capf
     forwarded = _forwarded(ray_session, capfd, marker=f"after the run in {tmp_path.name}")
     assert f"/models/{tmp_path.name.rstrip('0123456789')}/" not in forwarded, forwarded  # the driver's line says it
     assert "creation task" not in forwarded, forwarded
+
+
+class SamplingWorker(StartingWorker):
+    """A StartingWorker whose ``sample`` (a call before the run, as the calibration's) kills its process the first
+    time (the file ``dies`` then exists)."""
+
+    def sample(self, texts: list[str], dies: str) -> list[str]:
+        if not Path(dies).exists():
+            Path(dies).write_text("died\n")
+            os._exit(1)
+        return [t.upper() for t in texts]
+
+
+def test_a_call_before_the_run_is_answered_by_the_first_worker_up_and_failed_ones_are_replaced(tmp_path,
+                                                                                              ray_session):
+    """call_one (the int8 calibration's sample, embedded by a worker of the run): the first worker failed its start,
+    the second died in the call; each was replaced as a failed start, and the third answered and then took the run's
+    units, none of which lost an attempt."""
+    starts, dies = tmp_path / "starts.txt", tmp_path / "dies.txt"
+    actor_cls = worker_actor(SamplingWorker).options(num_cpus=0, max_restarts=0)
+    scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(starts), 1, False), workers=1,
+                          max_attempts=3, depth=2,
+                          liveness=Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s=30))
+    assert scheduler.call_one(lambda actor: actor.sample.remote(["a", "b"], str(dies))) == ["A", "B"]
+    assert len(starts.read_text().splitlines()) == 3 and dies.exists()
+    assert scheduler.replaced == 2 and [f.worker for f in scheduler.start_failures] == [0, 0]
+    assert "the model's weights are missing" in scheduler.start_failures[0].error, scheduler.start_failures
+    assert sorted(scheduler.run(_units(3))) == [u.id for u in _units(3)]
+    assert len(starts.read_text().splitlines()) == 3 and scheduler.retried == 0  # the same worker took them
+
+
+def test_a_workers_other_calls_raise_its_failed_starts_error(tmp_path, ray_session):
+    actor_cls = worker_actor(SamplingWorker).options(num_cpus=0, max_restarts=0)
+    actor = actor_cls.remote(str(tmp_path / "s.txt"), 9, False)
+    with pytest.raises(FileNotFoundError, match="the model's weights are missing"):  # not an AttributeError
+        ray_session.get(actor.sample.remote(["a"], str(tmp_path / "dies.txt")))
+    assert not (tmp_path / "dies.txt").exists()
 
 
 class ConfiguredWorker:

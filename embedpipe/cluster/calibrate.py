@@ -1,6 +1,6 @@
 """Quantized outputs: one int8/uint8 calibration for the whole run, and the record readers need.
 
-    sample rows (seeded) -> embed them on one worker slot (Ray task) -> per-dimension min/max
+    sample rows (seeded) -> embed them on one of the run's workers -> per-dimension min/max
     -> every worker gets the same Calibration -> <output>/quantization.json
 
 The calibration is fitted once and then kept: a resumed run reads it back from the output, and an
@@ -16,11 +16,10 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from embedpipe.cluster.codeid import CodeId, check_same_code, own_words
-from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.config import InputConfig, JobSpec
 from embedpipe.io.layout import OutputLayout, atomic_write_text
 from embedpipe.io.quantize import Calibration, fit_calibration, quantization_record, read_record, stored_type
@@ -29,6 +28,8 @@ from embedpipe.units import Unit
 log = logging.getLogger(__name__)
 
 SAMPLE_ROWS_PER_UNIT = 1000  # rows asked per unit read: 10,000 rows -> 10 units
+
+Embed = Callable[[list[str]], np.ndarray]  # texts -> the run's float vectors [n, D]
 
 
 def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -> list[str]:
@@ -48,28 +49,15 @@ def sample_texts(cfg: InputConfig, units: list[Unit], *, rows: int, seed: int) -
     return [texts[i] for i in picks.tolist()]
 
 
-def _embed_sample(job: JobSpec, texts: list[str], threads: int, model: ShippedModel | None,
-                  code: CodeId | None = None) -> np.ndarray:
-    """Runs as a Ray task on a worker's resources: the run's own encoder settings, float vectors [n, D];
-    the model from the node's cache, as a worker loads it. ``code``: the driver's (None: not checked)."""
-    check_same_code(code, who="the int8 calibration task")  # its ranges quantize every part: the run's code
-    from embedpipe.io.fs import use_job_storage
-    from embedpipe.runtime import Encoder
-
-    use_job_storage(job)
-    return Encoder.from_job(job_on_node(job, model), threads=threads).embed(texts)
-
-
 def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: int, previous: str | Path | None,
-                         cpus: float, gpus: float, model: ShippedModel | None = None,
-                         code: CodeId | None = None) -> Calibration | None:
+                         embed: Embed | None = None) -> Calibration | None:
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
 
     Order: this output's record (a resumed run), the previous version's (an incremental run), else
-    fit one on a sample embedded by one Ray task with a worker's resources. Needs Ray up when fitting.
+    fit one on a sample that ``embed`` turns into the run's float vectors (a worker of the run's:
+    ``EmbedWorker.embed_sample`` through ``Scheduler.call_one``; it checks the driver's code first).
     ``dim``: the stored vectors' dimension, from the run's plan (``RunPlan.model.vector_dim``).
-    ``model``: the run's shipped model (the driver's); None only where ``model.path`` is on every node.
-    ``code``: the driver's code (cluster/codeid.py), checked by the task that fits; None: not checked.
+    ``embed``: None only where no calibration can need fitting (its absence then raises).
     """
     dtype = job.output.dtype
     if not stored_type(dtype).quantized:
@@ -83,23 +71,22 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: 
                 log.info("int8 calibration taken from %s", OutputLayout(source).quantization)
                 break
         else:
-            calibration = fit(job, units, cpus=cpus, gpus=gpus, model=model, code=code)
+            if embed is None:
+                raise RuntimeError("prepare_quantization: a calibration to fit and no embed given; this is "
+                                   "embedpipe's bug, report it")
+            calibration = fit(job, units, embed=embed)
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
     atomic_write_text(OutputLayout(output).quantization, json.dumps(record, indent=2) + "\n")
     return calibration
 
 
-def fit(job: JobSpec, units: list[Unit], *, cpus: float, gpus: float, model: ShippedModel | None = None,
-        code: CodeId | None = None) -> Calibration:
-    import ray
-
+def fit(job: JobSpec, units: list[Unit], *, embed: Embed) -> Calibration:
+    """A calibration fitted on the job's seeded sample of ``units``, embedded by ``embed``."""
     o = job.output
     texts = sample_texts(job.input, units, rows=o.calibration_rows, seed=o.calibration_seed)
     if not texts:
         raise ValueError("output.dtype int8/uint8: the calibration sample found no text rows in the input")
-    task = ray.remote(_embed_sample).options(num_cpus=cpus, num_gpus=gpus, max_retries=1)
-    with own_words():
-        vectors = ray.get(task.remote(job, texts, max(int(cpus), 1), model, code))
+    vectors = embed(texts)
     log.info("int8 calibration fitted on %d sampled rows", len(texts))
     return fit_calibration(vectors, precision=o.dtype, seed=o.calibration_seed,
                            input_rows=sum(u.num_rows for u in units))

@@ -60,7 +60,7 @@ def this_code() -> CodeId:
 
 def check_same_code(driver: CodeId | None, *, who: str, node: str | None = None) -> None:
     """Raise CodeMismatch when this process runs other embedpipe code than ``driver``'s (None: not checked).
-    ``who``: the process as the message names it ("worker 1", "the int8 calibration task"); ``node``: its Ray
+    ``who``: the process as the message names it ("worker 1", "an incremental diff task"); ``node``: its Ray
     node (default: this process's)."""
     if driver is None:
         return

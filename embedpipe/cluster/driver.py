@@ -38,7 +38,7 @@ from embedpipe.io.fs import use_job_storage
 from embedpipe.io.layout import OutputLayout, atomic_write_table
 from embedpipe.io.lock import OutputLock
 from embedpipe.io.manifest import Manifest, done_units, job_fingerprint, vector_salt
-from embedpipe.io.quantize import Calibration, read_record, stored_type
+from embedpipe.io.quantize import Calibration, read_record
 from embedpipe.io.ownership import check_output, claim_output, sweep_temporaries
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.preflight import RunPlan, check_job, scan_ids
@@ -108,9 +108,9 @@ def _expects_work(job: JobSpec, *, overwrite: bool) -> bool:
 
 def _workers_beside_scan(job: JobSpec) -> bool:
     """Whether the run's workers may be asked for beside the id scan: only where nothing of the run needs Ray's
-    CPUs or GPUs before them. An incremental run's diff and an int8/uint8 calibration run as Ray tasks first; with
-    the workers holding every CPU (the embedded default) they would never be placed."""
-    return not job.output.incremental and not stored_type(job.output.dtype).calibrated
+    CPUs or GPUs before them. An incremental run's diff runs as Ray tasks first; with the workers holding every
+    CPU (the embedded default) they would never be placed. (An int8/uint8 calibration is embedded by a worker.)"""
+    return not job.output.incremental
 
 
 def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Scheduler:
@@ -277,18 +277,22 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 incremental, diff = _diff_night(job, todo, incremental, code=code)
             # read here once (or beside the id scan); each node's workers materialize it from Ray
             model = early.model if early is not None else ship_model(plan.model.dir)
-            calibration = prepare_quantization(job, plan.units, output, dim=plan.model.vector_dim,
-                                               cpus=workers.cpus_per_worker,
-                                               gpus=workers.gpus_per_worker, model=model, code=code,
-                                               previous=tree_path(incremental.previous).parent if incremental
-                                               and incremental.previous else None)
-            description = _describe(job, plan, output, calibration)  # before any part: they carry it
-            setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
-                                description=description)
             scheduler = (early_workers if early_workers is not None  # asked for beside the id scan, or now
                          else _worker_pool(job, model=model, workers=workers, code=code,
                                            count=min(workers.workers, len(todo))))
-            scheduler.keep(min(workers.workers, len(todo)))  # early ones: a resumed run may have fewer units left
+            try:
+                scheduler.keep(min(workers.workers, len(todo)))  # early ones: a resumed run may have fewer left
+                # int8/uint8: the sample embedded by the first of the run's workers to start (before any configure)
+                previous = tree_path(incremental.previous).parent if incremental and incremental.previous else None
+                calibration = prepare_quantization(
+                    job, plan.units, output, dim=plan.model.vector_dim, previous=previous,
+                    embed=lambda texts: scheduler.call_one(lambda actor: actor.embed_sample.remote(texts)))
+                description = _describe(job, plan, output, calibration)  # before any part: they carry it
+            except BaseException:  # its workers ended here: Ray may be a cluster this run joined, and stays up
+                scheduler.stop()
+                raise
+            setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
+                                description=description)
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):

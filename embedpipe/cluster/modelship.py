@@ -1,5 +1,5 @@
 """Models shipped to every node: the driver puts the model's files in Ray's object store once, and each
-worker (and the calibration task) materializes them in its node's model cache, then loads from there.
+worker materializes them in its node's model cache, then loads from there.
 
     driver:  RunPlan.model.dir -> model_files (what the fingerprint hashes) -> ray.put, one object per
              CHUNK_BYTES of each file -> ShippedModel (content hash, file list, object refs)

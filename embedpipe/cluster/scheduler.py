@@ -36,6 +36,7 @@ driver's id scan, cluster/early.py); ``run`` then makes their ready calls.
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import time
@@ -197,6 +198,8 @@ class Scheduler:
     depth: int = 1  # units a worker holds; above 1 its actor takes process(unit, ahead=the unit held after it)
     _slots: list[_Slot] = field(default_factory=list, init=False, repr=False)
     _ready: Callable[[Any], Any] | None = field(default=None, init=False, repr=False)
+    _queue: deque = field(default_factory=deque, init=False, repr=False)  # units not yet handed to a worker
+    _gave_up_starting: str | None = field(default=None, init=False, repr=False)  # see run
 
     def start(self) -> None:
         """Ask Ray for every slot's actor now, before ``run`` has its units: their starts (process, imports, model
@@ -221,6 +224,39 @@ class Scheduler:
         for slot in self._slots:
             _kill(slot.actor)
             slot.actor = None
+
+    def call_one(self, call: Callable[[Any], Any]) -> Any:
+        """The answer of ``call`` (an actor -> the reference of one of its calls), made on the first of this
+        scheduler's workers to start, before ``run``: the int8/uint8 calibration's sample is embedded by a worker of
+        the run (its own encoder, no second model load). Starts are bounded, and failed ones replaced, as in
+        ``run``; a worker that dies in the call counts as a failed start (no unit began on it). The call's own
+        errors are raised, in the worker's words."""
+        if not self._slots:
+            self.start()
+        for slot in self._slots:
+            if slot.actor is not None and slot.ready is None and slot.ready_ref is None:
+                slot.ready_ref = slot.actor.started.remote()
+        while True:
+            live = [s for s in self._slots if s.actor is not None]
+            if not live:
+                raise NoWorkerStarted(self._gave_up_starting) if self._gave_up_starting is not None \
+                    else NoWorkerPlaced(self._no_worker_message())
+            up = next((s for s in live if s.ready is not None), None)
+            if up is not None:
+                try:
+                    return ray.get(call(up.actor))
+                except InputError as exc:  # RayTaskError subclasses the worker's exception type
+                    raise InputError(remote_message(exc)) from None
+                except CodeMismatch as exc:
+                    raise CodeMismatch(remote_message(exc)) from None
+                except WORKER_DEATH as exc:
+                    self._failed_start(up, remote_message(exc))
+                    continue
+            pending = {s.ready_ref: s for s in live if s.ready_ref is not None}
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
+            if done:
+                self._started(pending[done[0]])
+            self._check(time.monotonic())
 
     def run(self, units: list, *, ready: Callable[[Any], Any] | None = None) -> Iterator:
         """Yield each unit's result as it finishes (completion order). ``ready``: a new actor -> the reference of
@@ -480,7 +516,8 @@ def worker_actor(cls: type) -> Any:
     ``started()``, and a ``process`` call queued behind that start returns None without running (the scheduler
     replaces the worker and requeues the unit). Where ``cls`` has ``configure`` (the second half of its start, made
     as ``Scheduler.run``'s ready call), that call raises the kept error, or its own, which is kept the same way.
-    Ray knows it by ``cls``'s name (``EmbedWorker``)."""
+    Any other public method of ``cls`` (``EmbedWorker.embed_sample``) raises the kept error first too. Ray knows it
+    by ``cls``'s name (``EmbedWorker``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         self._start_error = None
@@ -507,11 +544,26 @@ def worker_actor(cls: type) -> Any:
                 raise
 
         methods["configure"] = configure
+    for name, method in vars(cls).items():  # its other calls (embed_sample): the start's error first
+        if inspect.isfunction(method) and not name.startswith("_") and name not in methods:
+            methods[name] = _after_start(method)
     kept = type(cls.__name__, (cls,), {**methods,
                                        "__doc__": cls.__doc__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})  # Ray's class_name; pickled by value
     # (cloudpickle pickles a class by reference only when its module's attribute of that name is the class itself)
     return ray.remote(kept)
+
+
+def _after_start(method: Callable) -> Callable:
+    """``method`` of a ``worker_actor`` class, made to raise the error its start kept first."""
+
+    def call(self, *args, **kwargs):
+        if self._start_error is not None:
+            raise self._start_error
+        return method(self, *args, **kwargs)
+
+    call.__name__ = method.__name__
+    return call
 
 
 def _placed(actor) -> bool:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
@@ -26,6 +26,9 @@ from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
 from embedpipe.units import Unit
+
+if TYPE_CHECKING:
+    import numpy as np
 
 READ_AHEAD = 1  # units a worker reads and tokenizes while it encodes one (ReadAhead holds one): the driver holds it
 
@@ -116,6 +119,13 @@ class EmbedWorker:
 
             self.previous = PreviousVectors(setup.incremental.previous, parts=setup.incremental.previous_parts)
         self.setup = setup
+
+    def embed_sample(self, texts: list[str]) -> np.ndarray:
+        """The run's int8/uint8 calibration sample embedded by this worker's encoder, before ``configure`` (its
+        ranges come from this): float vectors [n, D], as a unit's are before they are stored."""
+        # its ranges quantize every part: the driver's code, checked before anything is embedded
+        check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
+        return self.encoder.embed(texts)
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
         """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)
