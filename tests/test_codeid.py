@@ -103,7 +103,7 @@ def _other_code() -> CodeId:
 def _calibration(tmp_path: Path, corpus: Path, units: list) -> None:
     from embedpipe.cluster.calibrate import fit
     from embedpipe.cluster.connect import WorkerPlan
-    from embedpipe.cluster.driver import _worker_pool
+    from embedpipe.cluster.driver import _embed_on_workers, _worker_pool
     from embedpipe.config import load_job
 
     job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(corpus)},
@@ -112,7 +112,7 @@ def _calibration(tmp_path: Path, corpus: Path, units: list) -> None:
     pool = _worker_pool(job, model=None, workers=WorkerPlan(workers=1, cpus_per_worker=1, gpus_per_worker=0),
                         code=_other_code(), count=1)  # the run's workers, as the driver makes them
     try:
-        fit(job, units, embed=lambda texts: pool.call_one(lambda actor: actor.embed_sample.remote(texts)))
+        fit(job, units, embed=lambda texts: _embed_on_workers(pool, texts))
     finally:
         pool.stop()
 

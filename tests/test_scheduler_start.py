@@ -106,31 +106,36 @@ def test_a_failed_start_prints_no_traceback_from_ray(tmp_path, ray_session, capf
 
 class SamplingWorker(StartingWorker):
     """A StartingWorker whose ``sample`` (a call before the run, as the calibration's) kills its process the first
-    time (the file ``dies`` then exists)."""
+    time (the file ``dies`` then exists), and answers with its pid."""
 
-    def sample(self, texts: list[str], dies: str) -> list[str]:
+    def sample(self, texts: list[str], dies: str) -> tuple[list[str], int]:
         if not Path(dies).exists():
             Path(dies).write_text("died\n")
             os._exit(1)
-        return [t.upper() for t in texts]
+        time.sleep(0.2)  # long enough for the other worker to take a piece of its own
+        return [t.upper() for t in texts], os.getpid()
 
 
-def test_a_call_before_the_run_is_answered_by_the_first_worker_up_and_failed_ones_are_replaced(tmp_path,
-                                                                                              ray_session):
-    """call_one (the int8 calibration's sample, embedded by a worker of the run): the first worker failed its start,
-    the second died in the call; each was replaced as a failed start, and the third answered and then took the run's
-    units, none of which lost an attempt."""
+def test_calls_before_the_run_go_to_every_worker_up_and_failed_ones_are_replaced(tmp_path, ray_session):
+    """share (the int8 calibration's sample, embedded by the run's workers): the first worker of slot 0 failed its
+    start, and the first worker to take a piece died in the call; each was replaced as a failed start, its piece
+    taken again. Every piece is answered, in order, the pieces spread over both slots' workers, which then take the
+    run's units, none of which lost an attempt."""
     starts, dies = tmp_path / "starts.txt", tmp_path / "dies.txt"
     actor_cls = worker_actor(SamplingWorker).options(num_cpus=0, max_restarts=0)
-    scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(starts), 1, False), workers=1,
+    scheduler = Scheduler(make_actor=lambda slot: actor_cls.remote(str(starts), 1, False), workers=2,
                           max_attempts=3, depth=2,
                           liveness=Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s=30))
-    assert scheduler.call_one(lambda actor: actor.sample.remote(["a", "b"], str(dies))) == ["A", "B"]
-    assert len(starts.read_text().splitlines()) == 3 and dies.exists()
-    assert scheduler.replaced == 2 and [f.worker for f in scheduler.start_failures] == [0, 0]
-    assert "the model's weights are missing" in scheduler.start_failures[0].error, scheduler.start_failures
+    pieces = [[f"t{i}a", f"t{i}b"] for i in range(6)]
+    answers = scheduler.share(pieces, lambda actor, piece: actor.sample.remote(piece, str(dies)))
+    assert [texts for texts, _ in answers] == [[t.upper() for t in piece] for piece in pieces]
+    assert len({pid for _, pid in answers}) == 2  # both workers took pieces
+    assert len(starts.read_text().splitlines()) == 4 and dies.exists()  # 2 + the two replacements
+    assert scheduler.replaced == 2 and len(scheduler.start_failures) == 2
+    assert any("the model's weights are missing" in f.error for f in scheduler.start_failures), \
+        scheduler.start_failures
     assert sorted(scheduler.run(_units(3))) == [u.id for u in _units(3)]
-    assert len(starts.read_text().splitlines()) == 3 and scheduler.retried == 0  # the same worker took them
+    assert len(starts.read_text().splitlines()) == 4 and scheduler.retried == 0  # the same workers took them
 
 
 def test_a_workers_other_calls_raise_its_failed_starts_error(tmp_path, ray_session):

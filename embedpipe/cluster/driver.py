@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
@@ -119,6 +120,16 @@ def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Schedule
     scheduler = _worker_pool(job, model=model, workers=workers, code=this_code(), count=min(workers.workers, units))
     scheduler.start()
     return scheduler
+
+
+def _embed_on_workers(scheduler: Scheduler, texts: list[str]) -> np.ndarray:
+    """The int8/uint8 calibration's sample embedded by the run's workers before their ``configure``: cut in two
+    pieces per worker, taken first come first served (``Scheduler.share``); float vectors [n, D] in its order.
+    Batch invariance makes them the vectors one worker would give for the whole sample."""
+    count = min(len(texts), 2 * max(scheduler.workers, 1))
+    bounds = np.linspace(0, len(texts), count + 1).astype(int)
+    pieces = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return np.concatenate(scheduler.share(pieces, lambda actor, piece: actor.embed_sample.remote(piece)))
 
 
 def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
@@ -282,11 +293,11 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                            count=min(workers.workers, len(todo))))
             try:
                 scheduler.keep(min(workers.workers, len(todo)))  # early ones: a resumed run may have fewer left
-                # int8/uint8: the sample embedded by the first of the run's workers to start (before any configure)
+                # int8/uint8: the sample embedded by the run's workers, as they start (before any configure)
                 previous = tree_path(incremental.previous).parent if incremental and incremental.previous else None
                 calibration = prepare_quantization(
                     job, plan.units, output, dim=plan.model.vector_dim, previous=previous,
-                    embed=lambda texts: scheduler.call_one(lambda actor: actor.embed_sample.remote(texts)))
+                    embed=lambda texts: _embed_on_workers(scheduler, texts))
                 description = _describe(job, plan, output, calibration)  # before any part: they carry it
             except BaseException:  # its workers ended here: Ray may be a cluster this run joined, and stays up
                 scheduler.stop()

@@ -225,38 +225,46 @@ class Scheduler:
             _kill(slot.actor)
             slot.actor = None
 
-    def call_one(self, call: Callable[[Any], Any]) -> Any:
-        """The answer of ``call`` (an actor -> the reference of one of its calls), made on the first of this
-        scheduler's workers to start, before ``run``: the int8/uint8 calibration's sample is embedded by a worker of
-        the run (its own encoder, no second model load). Starts are bounded, and failed ones replaced, as in
-        ``run``; a worker that dies in the call counts as a failed start (no unit began on it). The call's own
-        errors are raised, in the worker's words."""
+    def share(self, pieces: list, call: Callable[[Any, Any], Any]) -> list:
+        """Each piece's answer of ``call`` (an actor and a piece -> the reference of one of its calls), in the
+        pieces' order, made on this scheduler's workers before ``run``: the int8/uint8 calibration's sample, cut in
+        pieces, is embedded by the run's own workers (their own encoder, no second model load). First come first
+        served, one piece per worker at a time, each worker as soon as it has started. Starts are bounded, and
+        failed ones replaced, as in ``run``; a worker that dies in a call counts as a failed start (no unit began on
+        it) and its piece goes to the next worker. The calls' own errors are raised, in the worker's words."""
         if not self._slots:
             self.start()
         for slot in self._slots:
             if slot.actor is not None and slot.ready is None and slot.ready_ref is None:
                 slot.ready_ref = slot.actor.started.remote()
-        while True:
+        todo, answers, busy = deque(range(len(pieces))), [None] * len(pieces), {}  # busy: ref -> (slot, piece)
+        while todo or busy:
             live = [s for s in self._slots if s.actor is not None]
             if not live:
                 raise NoWorkerStarted(self._gave_up_starting) if self._gave_up_starting is not None \
                     else NoWorkerPlaced(self._no_worker_message())
-            up = next((s for s in live if s.ready is not None), None)
-            if up is not None:
+            taken = {id(slot) for slot, _ in busy.values()}
+            for slot in live:  # every started, idle worker takes the next piece
+                if todo and slot.ready is not None and id(slot) not in taken:
+                    i = todo.popleft()
+                    busy[call(slot.actor, pieces[i])] = (slot, i)
+            pending = {s.ready_ref: s for s in live if s.ready_ref is not None}
+            done, _ = ray.wait([*pending, *busy], num_returns=1, timeout=self._wait_s(live))
+            if done and done[0] in busy:
+                slot, i = busy.pop(done[0])
                 try:
-                    return ray.get(call(up.actor))
+                    answers[i] = ray.get(done[0])
                 except InputError as exc:  # RayTaskError subclasses the worker's exception type
                     raise InputError(remote_message(exc)) from None
                 except CodeMismatch as exc:
                     raise CodeMismatch(remote_message(exc)) from None
                 except WORKER_DEATH as exc:
-                    self._failed_start(up, remote_message(exc))
-                    continue
-            pending = {s.ready_ref: s for s in live if s.ready_ref is not None}
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=self._wait_s(live))
-            if done:
+                    todo.appendleft(i)
+                    self._failed_start(slot, remote_message(exc))
+            elif done:
                 self._started(pending[done[0]])
             self._check(time.monotonic())
+        return answers
 
     def run(self, units: list, *, ready: Callable[[Any], Any] | None = None) -> Iterator:
         """Yield each unit's result as it finishes (completion order). ``ready``: a new actor -> the reference of
