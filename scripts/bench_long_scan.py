@@ -11,6 +11,7 @@ medians, and each tree's median start-up against the first tree's.
 
     .venv/bin/python scripts/bench_long_scan.py --tree before=/tmp/tree_before              # this tree vs before
     .venv/bin/python scripts/bench_long_scan.py --rows 6000000 --files 24 --tree before=/tmp/tree_before
+    .venv/bin/python scripts/bench_long_scan.py --dtype int8 --tree before=/tmp/tree_before   # with its calibration
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--units-per-file", type=int, default=4, help="units (and row groups) a file (default 4)")
     p.add_argument("--workers", type=int, default=2, help="cluster.workers (default 2)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of a b b a (default 4)")
+    p.add_argument("--dtype", default="float32", help="output.dtype (default float32; int8 adds its calibration)")
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH: another checkout to run the CLI from")
     p.add_argument("--work", type=Path, default=None, help="where the corpus, model and outputs go (default: a "
                                                                "temporary folder)")
@@ -68,12 +70,12 @@ def write_corpus(folder: Path, *, rows: int, files: int, units_per_file: int) ->
     return -(-per // units_per_file)
 
 
-def write_job(path: Path, *, data: Path, model: Path, out: Path, unit_rows: int, workers: int) -> Path:
+def write_job(path: Path, *, data: Path, model: Path, out: Path, unit_rows: int, workers: int, dtype: str) -> Path:
     import yaml
 
     job = {"name": "long-scan", "input": {"path": str(data / "*.parquet"), "unit_rows": unit_rows},
            "model": {"path": str(model), "max_seq_len": 32, "dtype": "float32"}, "batching": {"max_tokens": 16384},
-           "output": {"path": str(out)}, "cluster": {"workers": workers}}
+           "output": {"path": str(out), "dtype": dtype}, "cluster": {"workers": workers}}
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
 
@@ -100,10 +102,11 @@ def main() -> int:
 
             tiny_model(model)
         out = work / "out"
-        job = write_job(work / "job.yaml", data=data, model=model, out=out, unit_rows=unit_rows, workers=args.workers)
+        job = write_job(work / "job.yaml", data=data, model=model, out=out, unit_rows=unit_rows, workers=args.workers,
+                        dtype=args.dtype)
         print(f"CPU: {cpu_description()}; {os.cpu_count()} CPUs")
         print(f"{args.rows:,} rows, {args.files} files, {args.files * args.units_per_file} units, "
-              f"{args.workers} workers, {args.rounds} rounds")
+              f"{args.workers} workers, output.dtype {args.dtype}, {args.rounds} rounds")
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for round_ in range(args.rounds):
             for name in [*trees, *reversed(trees)]:
