@@ -1,6 +1,6 @@
 """Quantized outputs: one int8/uint8 calibration for the whole run, and the record readers need.
 
-    sample rows (seeded) -> embed them on one of the run's workers -> per-dimension min/max
+    sample rows (seeded) -> embed them on the run's own workers -> per-dimension min/max
     -> every worker gets the same Calibration -> <output>/quantization.json
 
 The calibration is fitted once and then kept: a resumed run reads it back from the output, and an
@@ -54,8 +54,8 @@ def prepare_quantization(job: JobSpec, units: list[Unit], output: Path, *, dim: 
     """The run's calibration (None for types that need none); writes ``<output>/quantization.json``.
 
     Order: this output's record (a resumed run), the previous version's (an incremental run), else
-    fit one on a sample that ``embed`` turns into the run's float vectors (a worker of the run's:
-    ``EmbedWorker.embed_sample`` through ``Scheduler.call_one``; it checks the driver's code first).
+    fit one on a sample that ``embed`` turns into the run's float vectors (the run's workers, as they
+    start: ``driver._embed_on_workers``; each checks the driver's code first, ``EmbedWorker.embed_sample``).
     ``dim``: the stored vectors' dimension, from the run's plan (``RunPlan.model.vector_dim``).
     ``embed``: None only where no calibration can need fitting (its absence then raises).
     """

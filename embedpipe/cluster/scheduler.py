@@ -30,7 +30,8 @@ line, as it says a unit's. Raised from ``__init__``, Ray would also print the wo
 terminal (its "Exception raised in creation task" log, forwarded by ``log_to_driver``). A worker's start is
 answered by its ready call: ``started()``, or the call ``run`` is given (``ready``: the embedding workers'
 ``configure``, with the run's settings). ``start()`` asks for the actors before ``run`` has units (beside the
-driver's id scan, cluster/early.py); ``run`` then makes their ready calls.
+driver's id scan, cluster/early.py); ``run`` then makes their ready calls. Before ``run``, ``share`` hands pieces of
+other work to the workers as they start (the int8/uint8 calibration's sample, which their ``configure`` needs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,93 @@
+"""The quickstart end to end, one tree against another in the same minutes: start-up, wall and whole-wall scaling.
+
+Each round runs ``embedpipe run examples/quickstart.yaml`` from every tree, then from every tree again in reverse
+order (a b b a), each in a fresh process from its own folder with ``PYTHONPATH`` set to it, its output in a scratch
+folder (removed before each run, so every run is a new one), with the ``--set`` overrides given (the same for every
+tree: ``--set output.dtype=int8`` runs the quickstart with its calibration). Prints every run's command wall (the
+process's start to its exit), the report's start-up (its run_job to the first unit), wall and scaling efficiency
+(whole wall, and after start-up), then each tree's medians and its median wall and start-up against the first
+tree's. A tree is any checkout holding an ``embedpipe`` package and ``examples/`` (a git worktree).
+
+    .venv/bin/python scripts/bench_quickstart.py --tree before=/tmp/tree_before              # this tree vs before
+    .venv/bin/python scripts/bench_quickstart.py --tree before=/tmp/tree_before --set output.dtype=int8 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_sample import cpu_description  # noqa: E402
+
+FIGURES = ("command_s", "startup_s", "wall_s", "scaling", "scaling_after_startup")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", action="append", default=[], help="NAME=PATH: another checkout to run the CLI from")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a job override for every run (repeatable), as embedpipe run's --set")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of a b b a (default 3)")
+    return p.parse_args()
+
+
+def cli_run(*, tree: Path, out: Path, overrides: list[str]) -> dict:
+    """The quickstart from ``tree`` into ``out`` (a new output) in a fresh process; its figures."""
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    sets = [arg for o in [*overrides, f"output.path={out}"] for arg in ("--set", o)]
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import app; app()", "run",
+                           "examples/quickstart.yaml", "--no-progress", "-q", *sets], cwd=tree, env=env,
+                          capture_output=True, text=True)
+    command = time.perf_counter() - began
+    if done.returncode != 0:
+        raise SystemExit(f"the quickstart from {tree} failed ({done.returncode}): {done.stderr[-2000:]}")
+    report = json.loads((out / "report.json").read_text())
+    return {"command_s": command, "startup_s": report["startup_seconds"], "wall_s": report["wall_seconds"],
+            "scaling": report["scaling_efficiency"],
+            "scaling_after_startup": report["scaling_efficiency_after_startup"]}
+
+
+def main() -> int:
+    args = parse_args()
+    trees = {"this": ROOT} | {name: Path(path).resolve() for name, path in (t.split("=", 1) for t in args.tree)}
+    print(f"CPU: {cpu_description()}; {os.cpu_count()} CPUs; overrides: {args.overrides or 'none'}; "
+          f"{args.rounds} rounds a b b a")
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory(prefix="bench_quickstart_") as scratch:
+        for round_ in range(args.rounds):
+            for name in [*trees, *reversed(trees)]:
+                r = cli_run(tree=trees[name], out=Path(scratch) / name, overrides=args.overrides)
+                runs[name].append(r)
+                print(f"round {round_ + 1} {name}: command {r['command_s']:.2f} s, start-up {r['startup_s']:.2f} s, "
+                      f"wall {r['wall_s']:.2f} s, scaling {r['scaling']:.1%} ({r['scaling_after_startup']:.1%} after "
+                      f"start-up)", flush=True)
+    medians = {name: {k: statistics.median(r[k] for r in rs) for k in FIGURES} for name, rs in runs.items()}
+    first = medians[next(iter(trees))]
+    print("\n| tree | command | start-up (range) | report wall | scaling, whole wall (range) | after start-up | "
+          "wall × first tree's | start-up × first tree's |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, m in medians.items():
+        starts, scalings = [r["startup_s"] for r in runs[name]], [r["scaling"] for r in runs[name]]
+        print(f"| {name} | {m['command_s']:.2f} s | {m['startup_s']:.2f} s ({min(starts):.2f}-{max(starts):.2f}) | "
+              f"{m['wall_s']:.2f} s | {m['scaling']:.1%} ({min(scalings):.1%}-{max(scalings):.1%}) | "
+              f"{m['scaling_after_startup']:.1%} | {m['wall_s'] / first['wall_s']:.2f} | "
+              f"{m['startup_s'] / first['startup_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
