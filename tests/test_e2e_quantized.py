@@ -39,6 +39,8 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
     calibration = Calibration(**record["calibration"])
     assert record["dtype"] == "int8" and record["dim"] == record["width"] == 256
     assert calibration.rows == 150 and calibration.seed == 5 and calibration.input_rows == 400
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["calibration"]["rows"] == 150 and 0 < report["calibration"]["seconds"] < report["startup_seconds"]
     parts = sorted((tmp_path / "out" / "vectors").glob("part-*.parquet"))
     assert len(parts) == 4
     for part in parts:  # every part: the very same record as quantization.json
@@ -76,19 +78,21 @@ def test_incremental_int8_reuses_the_calibration_and_the_stored_bytes(tmp_path, 
                             "calibration_rows": 60},
                     cluster={"workers": 1})
 
-    def night() -> tuple[dict, dict]:
+    def night(*, fits: bool) -> tuple[dict, dict]:
         result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
         assert result.exit_code == 0, result.output
         folder = root / "versions" / (root / CURRENT).read_text().strip()
         table = ds.dataset(folder / "vectors", format="parquet").to_table()
         stored = dict(zip(table["id"].to_pylist(), np.asarray(table["embedding"].to_pylist(), dtype=np.int8)))
+        report = json.loads((folder / "report.json").read_text())  # a fit's rows and seconds: night 1 only
+        assert report.get("calibration", {}).get("rows") == (60 if fits else None), report.get("calibration")
         return stored, json.loads((folder / "quantization.json").read_text())
 
-    first, record1 = night()
+    first, record1 = night(fits=True)
     ids, texts = base["id"].to_pylist(), base["text"].to_pylist()
     texts = [t + " (revised)" if i % 10 == 0 else t for i, t in enumerate(texts)]
     pq.write_table(pa.table({"id": ids, "text": texts}), data, row_group_size=50)
-    second, record2 = night()
+    second, record2 = night(fits=False)
 
     assert record2 == record1  # the ranges of night 1, not a new fit
     calibration = Calibration(**record1["calibration"])

@@ -122,14 +122,20 @@ def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Schedule
     return scheduler
 
 
-def _embed_on_workers(scheduler: Scheduler, texts: list[str]) -> np.ndarray:
+def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | None = None) -> np.ndarray:
     """The int8/uint8 calibration's sample embedded by the run's workers before their ``configure``: cut in two
     pieces per worker, taken first come first served (``Scheduler.share``); float vectors [n, D] in its order.
-    Batch invariance makes them the vectors one worker would give for the whole sample."""
+    Batch invariance makes them the vectors one worker would give for the whole sample. ``timed``: given, it gets
+    the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``:
+    part of the run's start-up; the workers' own start too where they were not up yet)."""
+    began = time.perf_counter()
     count = min(len(texts), 2 * max(scheduler.workers, 1))
     bounds = np.linspace(0, len(texts), count + 1).astype(int)
     pieces = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    return np.concatenate(scheduler.share(pieces, lambda actor, piece: actor.embed_sample.remote(piece)))
+    vectors = np.concatenate(scheduler.share(pieces, lambda actor, piece: actor.embed_sample.remote(piece)))
+    if timed is not None:
+        timed.update(rows=len(texts), seconds=round(time.perf_counter() - began, 2))
+    return vectors
 
 
 def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
@@ -272,6 +278,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     scheduler = Scheduler(make_actor=lambda slot: None, workers=0)  # replaced below when there is work
     finished = done  # the units with a record once the scheduler is through (this run's added below)
     diff = None  # the incremental diff's report section, when there was a previous version to look in
+    fitted: dict = {}  # the int8/uint8 calibration's report section, when this run fitted one: its rows, seconds
     if todo:
         started_ray = connect(job.cluster) or owned
         try:
@@ -297,7 +304,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 previous = tree_path(incremental.previous).parent if incremental and incremental.previous else None
                 calibration = prepare_quantization(
                     job, plan.units, output, dim=plan.model.vector_dim, previous=previous,
-                    embed=lambda texts: _embed_on_workers(scheduler, texts))
+                    embed=lambda texts: _embed_on_workers(scheduler, texts, timed=fitted))
                 description = _describe(job, plan, output, calibration)  # before any part: they carry it
             except BaseException:  # its workers ended here: Ray may be a cluster this run joined, and stays up
                 scheduler.stop()
@@ -354,6 +361,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                                  "dropped": max(previous_rows - total.previous_ids, 0), "usd_saved": None}
         if diff is not None:
             report["incremental"]["diff"] = diff
+    if fitted:
+        report["calibration"] = fitted
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,

@@ -219,12 +219,13 @@ def projection_metrics(rows: float) -> list[Metric]:
 
 
 # sections other stages write into report.json, shown as they are (flattened)
-FREE_SECTIONS: dict[str, str] = {"index": "Index", "incremental": "Incremental", "version": "Version"}
+FREE_SECTIONS: dict[str, str] = {"index": "Index", "incremental": "Incremental", "version": "Version",
+                                  "calibration": "int8/uint8 calibration"}
 
 
 def free_metrics(report: dict) -> list[Metric]:
     """Sections written by other stages, flattened: the FAISS index (recall, size, build time...),
-    the incremental re-embedding, the output version."""
+    the incremental re-embedding, the output version, the int8/uint8 calibration this run fitted."""
     def flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
         if isinstance(value, dict):
             return [kv for k, v in value.items() for kv in flat(f"{prefix}.{k}" if prefix else str(k), v)]
