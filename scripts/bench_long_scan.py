@@ -12,6 +12,7 @@ medians, and each tree's median start-up against the first tree's.
     .venv/bin/python scripts/bench_long_scan.py --tree before=/tmp/tree_before              # this tree vs before
     .venv/bin/python scripts/bench_long_scan.py --rows 6000000 --files 24 --tree before=/tmp/tree_before
     .venv/bin/python scripts/bench_long_scan.py --dtype int8 --tree before=/tmp/tree_before   # with its calibration
+    .venv/bin/python scripts/bench_long_scan.py --incremental --tree before=/tmp/tree_before  # nights: with the diff
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="cluster.workers (default 2)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of a b b a (default 4)")
     p.add_argument("--dtype", default="float32", help="output.dtype (default float32; int8 adds its calibration)")
+    p.add_argument("--incremental", action="store_true",
+                   help="a versioned incremental output per tree: one untimed first night, then every run a night "
+                        "on the same corpus (its diff before the first unit; every row reused)")
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH: another checkout to run the CLI from")
     p.add_argument("--work", type=Path, default=None, help="where the corpus, model and outputs go (default: a "
                                                                "temporary folder)")
@@ -70,24 +75,30 @@ def write_corpus(folder: Path, *, rows: int, files: int, units_per_file: int) ->
     return -(-per // units_per_file)
 
 
-def write_job(path: Path, *, data: Path, model: Path, out: Path, unit_rows: int, workers: int, dtype: str) -> Path:
+def write_job(path: Path, *, data: Path, model: Path, out: Path, unit_rows: int, workers: int, dtype: str,
+              incremental: bool) -> Path:
     import yaml
 
+    output = {"path": str(out), "dtype": dtype} | ({"versioned": True, "incremental": True} if incremental else {})
     job = {"name": "long-scan", "input": {"path": str(data / "*.parquet"), "unit_rows": unit_rows},
            "model": {"path": str(model), "max_seq_len": 32, "dtype": "float32"}, "batching": {"max_tokens": 16384},
-           "output": {"path": str(out), "dtype": dtype}, "cluster": {"workers": workers}}
+           "output": output, "cluster": {"workers": workers}}
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
 
 
-def cli_run(job: Path, *, tree: Path, out: Path) -> dict:
+def cli_run(job: Path, *, tree: Path, out: Path, incremental: bool) -> dict:
+    """One run of ``job`` from ``tree``: a new output (``--overwrite``), or the next night of an incremental one."""
     env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import app; app()", "run", str(job),
-                           "--no-progress", "--overwrite"], cwd=tree, env=env, capture_output=True, text=True)
+    flags = ["--no-progress"] + ([] if incremental else ["--overwrite"])
+    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import app; app()", "run", str(job), *flags],
+                          cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{job} from {tree} failed ({done.returncode}): {done.stderr[-2000:]}")
-    report = json.loads((out / "report.json").read_text())
-    return {"startup_s": report["startup_seconds"], "wall_s": report["wall_seconds"]}
+    folder = out / "versions" / (out / "CURRENT").read_text().strip() if incremental else out
+    report = json.loads((folder / "report.json").read_text())
+    diff = (report.get("incremental") or {}).get("diff") or {}
+    return {"startup_s": report["startup_seconds"], "wall_s": report["wall_seconds"], "diff_s": diff.get("seconds")}
 
 
 def main() -> int:
@@ -101,18 +112,25 @@ def main() -> int:
             from scripts.memory_check import tiny_model
 
             tiny_model(model)
-        out = work / "out"
-        job = write_job(work / "job.yaml", data=data, model=model, out=out, unit_rows=unit_rows, workers=args.workers,
-                        dtype=args.dtype)
+        outs = {name: work / f"out_{name}" for name in trees}  # each tree's own: an incremental output's nights
+        jobs = {name: write_job(work / f"job_{name}.yaml", data=data, model=model, out=outs[name], unit_rows=unit_rows,
+                                workers=args.workers, dtype=args.dtype, incremental=args.incremental)
+                for name in trees}
         print(f"CPU: {cpu_description()}; {os.cpu_count()} CPUs")
         print(f"{args.rows:,} rows, {args.files} files, {args.files * args.units_per_file} units, "
-              f"{args.workers} workers, output.dtype {args.dtype}, {args.rounds} rounds")
+              f"{args.workers} workers, output.dtype {args.dtype}, {args.rounds} rounds"
+              + (", incremental nights on an unchanged corpus" if args.incremental else ""))
+        if args.incremental:  # each tree's first night: the previous version the timed nights diff against
+            for name in trees:
+                shutil.rmtree(outs[name], ignore_errors=True)
+                cli_run(jobs[name], tree=trees[name], out=outs[name], incremental=True)
         runs: dict[str, list[dict]] = {name: [] for name in trees}
         for round_ in range(args.rounds):
             for name in [*trees, *reversed(trees)]:
-                r = cli_run(job, tree=trees[name], out=out)
+                r = cli_run(jobs[name], tree=trees[name], out=outs[name], incremental=args.incremental)
                 runs[name].append(r)
-                print(f"round {round_ + 1} {name}: start-up {r['startup_s']:.2f} s, wall {r['wall_s']:.2f} s",
+                diff = f", diff {r['diff_s']:.2f} s" if r["diff_s"] is not None else ""
+                print(f"round {round_ + 1} {name}: start-up {r['startup_s']:.2f} s, wall {r['wall_s']:.2f} s{diff}",
                       flush=True)
     first = statistics.median(r["startup_s"] for r in runs[next(iter(trees))])
     print("\n| tree | start-up, median (range) | wall, median | start-up × first tree's |")

@@ -248,6 +248,7 @@ if mode == "early":
 result = driver.run_job(job, progress=False)
 seen["rows"], seen["workers"] = result.report["rows"], result.report["workers"]
 seen["failed starts"] = result.report["units"]["failed_starts"]
+seen["incremental"] = result.report.get("incremental")
 print("RESULT " + json.dumps(seen))
 """
 
@@ -286,3 +287,30 @@ def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_t
     if "dtype" in output:
         records = [json.loads((tmp_path / mode / "quantization.json").read_text()) for mode in ("early", "plain")]
         assert records[0]["calibration"]["rows"] == 60 and records[0] == records[1], records
+
+
+def test_an_incremental_night_runs_its_diff_beside_the_workers_asked_for_beside_its_scan(tmp_path):
+    """Night 2 of an incremental output: its workers, asked for beside the scan, hold every CPU (2 workers of 1 CPU
+    on a 2-CPU embedded Ray) until their first unit, and the night's diff runs its Ray tasks on those CPUs meanwhile
+    (they ask for none; asking for one they would never be placed, and the run would hang). It reuses and encodes
+    what a night whose workers started after its scan does, and writes the same vectors."""
+    folder = tmp_path / "in"
+    ids = [[f"{name}{i}" for i in range(40)] for name in "abc"]
+    data = _corpus(folder, *ids)
+    raw = {mode: {**_raw(tmp_path, data), "output": {"path": str(tmp_path / mode), "versioned": True,
+                                                     "incremental": True}} for mode in ("early", "plain")}
+    for mode in ("early", "plain"):
+        assert _run(raw[mode], mode)["rows"] == 120
+    revised = [f"paragraph 1 {x}" + (" (revised)" if i % 2 else "") for i, x in enumerate(ids[1])]
+    pq.write_table(pa.table({"id": ids[1], "text": revised}), folder / "1.parquet")
+    outputs, nights = {}, {}
+    for mode in ("early", "plain"):
+        seen = _run(raw[mode], mode)
+        assert seen["rows"] == 120 and seen["pools"] == 1 and seen["failed starts"] == [], seen
+        assert seen.get("scan alive when workers asked") is (True if mode == "early" else None), seen
+        nights[mode] = {k: seen["incremental"][k] for k in ("reused", "encoded", "dropped")}
+        assert seen["incremental"]["diff"]["looked_up"] == 120, seen
+        root = tmp_path / mode
+        outputs[mode] = _vectors(root / "versions" / (root / "CURRENT").read_text().strip())
+    assert nights["early"] == nights["plain"] == {"reused": 100, "encoded": 20, "dropped": 0}, nights
+    assert outputs["early"].num_rows == 120 and outputs["early"].equals(outputs["plain"])

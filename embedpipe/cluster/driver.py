@@ -78,9 +78,8 @@ def run_job(job: JobSpec, *, progress: bool = True, overwrite: bool = False) -> 
         check_output(job.output.path)  # a folder embedpipe did not create: refused before anything is written there
         checked = check_job(job, workers=expected_workers(job.cluster).workers)  # bad files or model: fail here
         if _expects_work(job, overwrite=overwrite):  # Ray's start and the model's shipping beside the id scan
-            beside = (lambda model: _workers_asked(job, model=model, units=len(checked.units))
-                      if _workers_beside_scan(job) else None)
-            plan, early = scan_beside_ray(checked, start_workers=beside)  # bad ids: fail here, Ray shut down first
+            plan, early = scan_beside_ray(  # bad ids: fail here, Ray shut down first
+                checked, start_workers=lambda model: _workers_asked(job, model=model, units=len(checked.units)))
         else:
             plan, early = scan_ids(checked), None
         try:
@@ -105,13 +104,6 @@ def _expects_work(job: JobSpec, *, overwrite: bool) -> bool:
         return True
     layout = OutputLayout(tree_path(job.output.path))
     return not layout.store.exists(layout.report_json)
-
-
-def _workers_beside_scan(job: JobSpec) -> bool:
-    """Whether the run's workers may be asked for beside the id scan: only where nothing of the run needs Ray's
-    CPUs or GPUs before them. An incremental run's diff runs as Ray tasks first; with the workers holding every
-    CPU (the embedded default) they would never be placed. (An int8/uint8 calibration is embedded by a worker.)"""
-    return not job.output.incremental
 
 
 def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Scheduler:
@@ -292,7 +284,8 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                             workers.workers, len(todo))
             code = this_code()  # every worker and task checks theirs against it before it reads or writes
             if incremental is not None and incremental.previous:  # before any worker takes a unit
-                incremental, diff = _diff_night(job, todo, incremental, code=code)
+                incremental, diff = _diff_night(job, todo, incremental, code=code,
+                                                beside_workers=early_workers is not None)
             # read here once (or beside the id scan); each node's workers materialize it from Ray
             model = early.model if early is not None else ship_model(plan.model.dir)
             scheduler = (early_workers if early_workers is not None  # asked for beside the id scan, or now
@@ -386,9 +379,12 @@ def _describe(job: JobSpec, plan: RunPlan, output: TreePath, calibration: Calibr
     return description
 
 
-def _diff_night(job: JobSpec, todo: list, incremental: Incremental, *, code: CodeId) -> tuple[Incremental, dict]:
-    """The night's diff as Ray tasks (embedpipe/cluster/diff.py), handed to the workers with the Incremental."""
-    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units, code=code)
+def _diff_night(job: JobSpec, todo: list, incremental: Incremental, *, code: CodeId,
+                beside_workers: bool) -> tuple[Incremental, dict]:
+    """The night's diff as Ray tasks (embedpipe/cluster/diff.py), handed to the workers with the Incremental.
+    ``beside_workers``: the run's workers, asked for beside the id scan, hold their CPUs meanwhile."""
+    night = diff_on_ray(job, todo, parts=incremental.previous_parts, previous=incremental.previous_units, code=code,
+                        beside_workers=beside_workers)
     log.info("incremental diff: %s", night.stats.to_dict())
     return replace(incremental, previous_units={}, same_part=night.same_part, moved=night.moved), \
         night.stats.to_dict()
