@@ -266,7 +266,7 @@ def _vectors(out) -> pa.Table:
 def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_them_writes(tmp_path, output):
     """The run takes the workers asked for beside its scan (no second pool), gives them its settings, and writes
     the same vectors, bit for bit, as a run that started its workers after the scan: into the version's folder
-    when versioned; int8 with the same calibration, its sample embedded by one of those workers."""
+    when versioned; int8 with the same calibration, its sample embedded by those workers."""
     versioned = output.get("versioned", False)
     data = _corpus(tmp_path / "in", [f"a{i}" for i in range(40)], [f"b{i}" for i in range(40)],
                    [f"c{i}" for i in range(40)])
@@ -290,10 +290,11 @@ def test_a_run_whose_workers_started_beside_the_scan_writes_what_a_run_without_t
 
 
 def test_an_incremental_night_runs_its_diff_beside_the_workers_asked_for_beside_its_scan(tmp_path):
-    """Night 2 of an incremental output: its workers, asked for beside the scan, hold every CPU (2 workers of 1 CPU
-    on a 2-CPU embedded Ray) until their first unit, and the night's diff runs its Ray tasks on those CPUs meanwhile
-    (they ask for none; asking for one they would never be placed, and the run would hang). It reuses and encodes
-    what a night whose workers started after its scan does, and writes the same vectors."""
+    """Night 2 of an incremental output: its workers, asked for beside the scan, hold the embedded Ray's CPUs (2
+    workers splitting them: every CPU on an even count, as on CI's two cores) until their first unit, and the
+    night's diff runs its Ray tasks on those CPUs meanwhile (they ask for none; asking for one they would never be
+    placed, and the run would hang). It reuses and encodes what a night whose workers started after its scan does,
+    and writes the same vectors."""
     folder = tmp_path / "in"
     ids = [[f"{name}{i}" for i in range(40)] for name in "abc"]
     data = _corpus(folder, *ids)
