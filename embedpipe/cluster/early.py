@@ -17,8 +17,8 @@ shut down (at most Ray's start, which nothing interrupts), then raised again.
 
 ``start_workers`` (the driver's) asks for the run's workers as soon as the model is shipped: their own start
 (process, ``import torch``, the model's load, on GPU the CUDA context and warmup) goes on beside the rest of the scan
-(and an incremental night's diff, whose tasks then run on the CPUs the idle workers hold: cluster/diff.py). They are handed to the run with Ray, and ended
-with it on every way out that does not reach the run.
+(and an incremental night's diff, whose tasks then run on the CPUs the idle workers hold: cluster/diff.py). They
+are handed to the run with Ray, and ended with it on every way out that does not reach the run.
 """
 
 from __future__ import annotations

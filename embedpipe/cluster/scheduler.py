@@ -237,13 +237,10 @@ class Scheduler:
             self.start()
         for slot in self._slots:
             if slot.actor is not None and slot.ready is None and slot.ready_ref is None:
-                slot.ready_ref = slot.actor.started.remote()
+                slot.ready_ref = self._ready_call(slot.actor)  # before run: started()
         todo, answers, busy = deque(range(len(pieces))), [None] * len(pieces), {}  # busy: ref -> (slot, piece)
         while todo or busy:
-            live = [s for s in self._slots if s.actor is not None]
-            if not live:
-                raise NoWorkerStarted(self._gave_up_starting) if self._gave_up_starting is not None \
-                    else NoWorkerPlaced(self._no_worker_message())
+            live = self._live()
             taken = {id(slot) for slot, _ in busy.values()}
             for slot in live:  # every started, idle worker takes the next piece
                 if todo and slot.ready is not None and id(slot) not in taken:
@@ -255,11 +252,12 @@ class Scheduler:
                 slot, i = busy.pop(done[0])
                 try:
                     answers[i] = ray.get(done[0])
-                except InputError as exc:  # RayTaskError subclasses the worker's exception type
-                    raise InputError(remote_message(exc)) from None
-                except CodeMismatch as exc:
-                    raise CodeMismatch(remote_message(exc)) from None
-                except WORKER_DEATH as exc:
+                except Exception as exc:  # noqa: BLE001 - sorted below: never retried, a death, or the call's own
+                    final = _never_retried(exc)
+                    if final is not None:
+                        raise final from None
+                    if not isinstance(exc, WORKER_DEATH):
+                        raise
                     todo.appendleft(i)
                     self._failed_start(slot, remote_message(exc))
             elif done:
@@ -293,11 +291,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one event
 
     def _step(self):
-        live = [s for s in self._slots if s.actor is not None]
-        if not live:
-            if self._gave_up_starting is not None:  # the last slot given up was given up for its starts
-                raise NoWorkerStarted(self._gave_up_starting)
-            raise NoWorkerPlaced(self._no_worker_message())
+        live = self._live()
         pending = {s.ready_ref: s for s in live if s.ready_ref is not None}  # first: a start before its result
         # a worker answers its calls in order (a death fails them all): only the first is waited on
         pending |= {s.calls[0].ref: s for s in live if s.calls}  # _fill made every first unit's call
@@ -332,11 +326,10 @@ class Scheduler:
             slot.calls[0].taken = max(slot.calls[0].taken, time.monotonic())
         try:
             result = ray.get(call.ref)
-        except InputError as exc:  # RayTaskError subclasses the worker's exception type
-            raise InputError(remote_message(exc)) from None
-        except CodeMismatch as exc:  # the worker's node runs other embedpipe code: every attempt would fail there
-            raise CodeMismatch(remote_message(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - a worker death or an unexpected error
+        except Exception as exc:  # noqa: BLE001 - never retried, a worker death or an unexpected error
+            final = _never_retried(exc)
+            if final is not None:
+                raise final from None
             return self._failed_call(slot, unit, exc)
         rate = (time.monotonic() - started) / max(_rows(unit), 1)
         self._slowest = max(self._slowest or 0.0, rate)
@@ -422,6 +415,16 @@ class Scheduler:
         self._requeue(slot)
         return sum(s.actor is not None for s in self._slots)
 
+    def _live(self) -> list[_Slot]:
+        """The slots with an actor; none left fails the run, with the last start's error when the last slot was
+        given up for its starts."""
+        live = [s for s in self._slots if s.actor is not None]
+        if not live:
+            if self._gave_up_starting is not None:
+                raise NoWorkerStarted(self._gave_up_starting)
+            raise NoWorkerPlaced(self._no_worker_message())
+        return live
+
     def _no_worker_message(self) -> str:
         cpus, gpus = self.resources.get("CPU", 0), self.resources.get("GPU", 0)
         needs = (f"{cpus:g} CPU (cluster.cpus_per_worker={cpus:g})" + (f" and {gpus:g} GPU" if gpus else "")
@@ -503,6 +506,16 @@ def failure_message(label: str, *, attempts: int, cause: Cause, error: str) -> s
     return f"{label} failed {attempts} times, last: {error}; fix or remove that file, {skip}"
 
 
+def _never_retried(exc: BaseException) -> Exception | None:
+    """The error to stop on, in the worker's own words, when ``exc`` would fail every attempt the same way: bad input
+    (``InputError``), or a worker running other embedpipe code than the driver (``CodeMismatch``, its node's install).
+    None for any other error. (A RayTaskError subclasses the worker's exception type.)"""
+    for kind in (InputError, CodeMismatch):
+        if isinstance(exc, kind):
+            return kind(remote_message(exc))
+    return None
+
+
 def disk_problem(exc: BaseException) -> str | None:
     """A full, over-quota or read-only disk behind ``exc`` (as raised, or wrapped in RayTaskError), said
     with its fix; None for any other error."""
@@ -553,26 +566,22 @@ def worker_actor(cls: type) -> Any:
                 raise
 
         methods["configure"] = configure
+    def after_start(method: Callable) -> Callable:
+        def call(self, *args, **kwargs):
+            started(self)
+            return method(self, *args, **kwargs)
+
+        call.__name__ = method.__name__
+        return call
+
     for name, method in vars(cls).items():  # its other calls (embed_sample): the start's error first
         if inspect.isfunction(method) and not name.startswith("_") and name not in methods:
-            methods[name] = _after_start(method)
+            methods[name] = after_start(method)
     kept = type(cls.__name__, (cls,), {**methods,
                                        "__doc__": cls.__doc__, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__})  # Ray's class_name; pickled by value
     # (cloudpickle pickles a class by reference only when its module's attribute of that name is the class itself)
     return ray.remote(kept)
-
-
-def _after_start(method: Callable) -> Callable:
-    """``method`` of a ``worker_actor`` class, made to raise the error its start kept first."""
-
-    def call(self, *args, **kwargs):
-        if self._start_error is not None:
-            raise self._start_error
-        return method(self, *args, **kwargs)
-
-    call.__name__ = method.__name__
-    return call
 
 
 def _placed(actor) -> bool:
