@@ -60,6 +60,9 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
     stored = np.asarray(out["embedding"].to_pylist(), dtype=np.int8)
     want = quantize(floats, dtype="int8", calibration=calibration)
     assert np.abs(stored.astype(int) - want).max() <= 1 and (stored != want).mean() < 1e-3
+    # the sample holds 150 of 400 rows: the units took its vectors for those rows instead of embedding them again
+    assert report["calibration"]["rows_kept"] == sum(texts[i] in set(sample) for i in out["id"].to_pylist())
+    assert report["calibration"]["rows_kept"] >= 150
 
 
 def test_incremental_int8_reuses_the_calibration_and_the_stored_bytes(tmp_path, quickstart_table, ray_session):

@@ -1,7 +1,8 @@
 """The driver: check the job, resume from the manifest, run the remaining units on Ray, report.
 
 The driver never holds the corpus or its vectors: workers read their units and write their
-parts and manifest records themselves; the driver sees only counters.
+parts and manifest records themselves; the driver sees only counters (and, for int8/uint8, the
+calibration's bounded sample: cluster/calibrate.py, cluster/sampled.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from embedpipe.cluster.diff import diff_on_ray
 from embedpipe.cluster.early import EarlyRay, scan_beside_ray
 from embedpipe.cluster.modelship import ShippedModel, ship_model
 from embedpipe.cluster.progress import progress_bar
+from embedpipe.cluster.sampled import SampleVectors
 from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
 from embedpipe.cluster.signals import handled
@@ -114,12 +116,14 @@ def _workers_asked(job: JobSpec, *, model: ShippedModel, units: int) -> Schedule
     return scheduler
 
 
-def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | None = None) -> np.ndarray:
+def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | None = None,
+                      sample: list | None = None) -> np.ndarray:
     """The int8/uint8 calibration's sample embedded by the run's workers before their ``configure``: cut in two
     pieces per worker, taken first come first served (``Scheduler.share``); float vectors [n, D] in its order.
     Batch invariance makes them the vectors one worker would give for the whole sample. ``timed``: given, it gets
     the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``:
-    part of the run's start-up; the workers' own start too where they were not up yet)."""
+    part of the run's start-up; the workers' own start too where they were not up yet). ``sample``: given, the
+    sample's texts and vectors are appended to it (the units may take them: ``_kept_sample``)."""
     began = time.perf_counter()
     count = min(len(texts), 2 * max(scheduler.workers, 1))
     bounds = np.linspace(0, len(texts), count + 1).astype(int)
@@ -127,7 +131,18 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     vectors = np.concatenate(scheduler.share(pieces, lambda actor, piece: actor.embed_sample.remote(piece)))
     if timed is not None:
         timed.update(rows=len(texts), seconds=round(time.perf_counter() - began, 2))
+    if sample is not None:
+        sample.append((texts, vectors))
     return vectors
+
+
+def _kept_sample(job: JobSpec, sample: list, units: list[Unit]) -> SampleVectors | None:
+    """The calibration sample this run fitted (``_embed_on_workers``'s ``sample``), kept for the units' rows it
+    holds when worth it (cluster/sampled.py); None for a run that fitted none, or chunks its documents."""
+    if not sample or job.input.chunking.mode != "off":
+        return None
+    texts, vectors = sample[0]
+    return SampleVectors.kept(texts, vectors, input_rows=sum(u.num_rows for u in units))
 
 
 def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
@@ -271,6 +286,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     finished = done  # the units with a record once the scheduler is through (this run's added below)
     diff = None  # the incremental diff's report section, when there was a previous version to look in
     fitted: dict = {}  # the int8/uint8 calibration's report section, when this run fitted one: its rows, seconds
+    sample: list = []  # and its sample's texts and vectors
     if todo:
         started_ray = connect(job.cluster) or owned
         try:
@@ -297,13 +313,16 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
                 previous = tree_path(incremental.previous).parent if incremental and incremental.previous else None
                 calibration = prepare_quantization(
                     job, plan.units, output, dim=plan.model.vector_dim, previous=previous,
-                    embed=lambda texts: _embed_on_workers(scheduler, texts, timed=fitted))
+                    embed=lambda texts: _embed_on_workers(scheduler, texts, timed=fitted, sample=sample))
                 description = _describe(job, plan, output, calibration)  # before any part: they carry it
             except BaseException:  # its workers ended here: Ray may be a cluster this run joined, and stays up
                 scheduler.stop()
                 raise
-            setup = WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
-                                description=description)
+            # in the object store once, for every worker's configure; with the calibration sample's vectors when
+            # kept (up to KEEP_BYTES): the units do not embed its rows again
+            setup = ray.put(WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
+                                        description=description, sampled=_kept_sample(job, sample, plan.units)))
+            sample.clear()  # the driver's copy
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):
@@ -355,7 +374,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
         if diff is not None:
             report["incremental"]["diff"] = diff
     if fitted:
-        report["calibration"] = fitted
+        report["calibration"] = {**fitted, "rows_kept": this_run.sampled_rows}
     report = extend_report(report, {"job": job.name, **run_metrics(
         report, this_run=this_run, spans=spans, devices=devices_by_slot(devices, slots=len(per_worker)),
         started_at=started_at, wall_seconds=wall_seconds, dtype=job.model.dtype, model_config=plan.model.config,

@@ -54,6 +54,7 @@ class WorkerSetup:
     incremental: Incremental | None = None
     calibration: Any = None  # the run's int8/uint8 ranges (io.quantize.Calibration), the same on every worker
     description: Any = None  # the output's record (io.describe.OutputDescription), in every part's schema metadata
+    sampled: Any = None  # int8/uint8: the calibration sample's vectors (cluster/sampled.py), for the rows it holds
 
 
 @dataclass
@@ -113,6 +114,7 @@ class EmbedWorker:
                                         description=setup.description)
         self.manifest = Manifest(setup.output_path)
         self.incremental = setup.incremental
+        self.sampled = setup.sampled
         self.previous = None
         if setup.incremental is not None and setup.incremental.previous:
             from embedpipe.io.reuse import PreviousVectors
@@ -159,8 +161,11 @@ class EmbedWorker:
         if self.incremental is not None:
             fresh, reuse = self._reuse(unit.id, rows, counters)
             texts = [rows.texts[i] for i in fresh]
+        sampled = self.sampled.lookup(texts) if self.sampled is not None else None  # (found [T], vectors [K, D])
+        if sampled is not None:  # the calibration embedded these rows already
+            texts = [text for text, found in zip(texts, sampled[0].tolist()) if not found]
         return counters, _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh,
-                                reuse=reuse)
+                                reuse=reuse, sampled=sampled)
 
     def _encode_and_write(self, unit: Unit, ahead: "_Ahead", counters: Counters) -> UnitResult:
         from embedpipe.io.layout import atomic_write_table
@@ -175,10 +180,9 @@ class EmbedWorker:
         if self.encoder.chunker is not None:
             ids, vectors, extra, doc = self._embed_chunks(unit.id, rows, counters)
         elif ahead.reuse is None:
-            vectors = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [N, D]
+            vectors = self._embed(ahead, counters)  # [N, D]
         else:
-            encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [F, D]
-            vectors, extra = self._assemble(rows, ahead, encoded, counters)
+            vectors, extra = self._assemble(rows, ahead, self._embed(ahead, counters), counters)  # from [F, D]
         counters.skipped_rows, counters.bad_rows = rows.skipped.num_rows, rows.bad
         documents = []
         with counters.time("write"):
@@ -194,6 +198,19 @@ class EmbedWorker:
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(),
                           peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
                           device=self.device, node=self.node)
+
+    def _embed(self, ahead: "_Ahead", counters: Counters) -> np.ndarray:
+        """The float vectors [T, D] of the unit's rows to encode (every row, or an incremental night's changed
+        ones): encoded now, or the calibration sample's for the rows it holds (``ahead.sampled``)."""
+        encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [T - K, D]
+        if ahead.sampled is None:
+            return encoded
+        from embedpipe.cluster.sampled import fill
+
+        found, known = ahead.sampled
+        counters.rows += len(known)
+        counters.sampled_rows += len(known)
+        return fill(found, known, encoded)
 
     def _reuse(self, unit_id: str, rows, counters):
         """Incremental: the rows to encode (content changed) and the previous version's answer for the others."""
@@ -282,10 +299,11 @@ class _Ahead:
     """A unit read and tokenized, waiting for its turn to encode."""
 
     rows: Any  # ScreenedRows
-    texts: list[str]  # what is encoded: every row's text, or (incremental) the changed rows'
+    texts: list[str]  # what is encoded: every row's text, or (incremental) the changed rows', less the sampled
     windows: list  # Encoder.prepare(texts)
     fresh: Any = None  # incremental: [F] indices of the rows encoded
     reuse: tuple | None = None  # incremental: (reuse mask [N], their previous stored vectors, content hashes)
+    sampled: tuple | None = None  # (found [T] of the rows to encode, their calibration sample vectors [K, D])
 
 
 class ReadAhead:
