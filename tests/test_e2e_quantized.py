@@ -14,6 +14,7 @@ from embedpipe.cli import app
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantize
 from embedpipe.cluster.calibrate import sample_texts
 from embedpipe.config import InputConfig
+from embedpipe.report.counters import Counters
 from embedpipe.runtime import Encoder
 from embedpipe.units import list_files, plan_units
 from tests.conftest import split_corpus, write_job
@@ -40,7 +41,12 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
     assert record["dtype"] == "int8" and record["dim"] == record["width"] == 256
     assert calibration.rows == 150 and calibration.seed == 5 and calibration.input_rows == 400
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["calibration"]["rows"] == 150 and 0 < report["calibration"]["seconds"] < report["startup_seconds"]
+    assert report["calibration"]["rows"] == 150 and 0 < report["calibration"]["seconds"] < report["wall_seconds"]
+    # its pieces are on the workers' timelines (4: two per worker), before any unit
+    pieces = [span for w in report["per_worker"] for span in w["timeline"] if span[2] == 0]
+    assert len(pieces) == 4 and sum(span[3] for span in pieces) > 0
+    assert report["startup_seconds"] == min(span[0] for w in report["per_worker"] for span in w["timeline"])
+    assert sum(w["units"] for w in report["per_worker"]) == 4
     parts = sorted((tmp_path / "out" / "vectors").glob("part-*.parquet"))
     assert len(parts) == 4
     for part in parts:  # every part: the very same record as quantization.json
@@ -56,7 +62,10 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
                                atol=1e-6)
     out = pq.read_table(parts)
     texts = dict(zip(table["id"].to_pylist(), table["text"].to_pylist()))
-    floats = encoder.embed([texts[i] for i in out["id"].to_pylist()])
+    counted = Counters()
+    floats = encoder.embed([texts[i] for i in out["id"].to_pylist()], counted)
+    assert (report["tokens"], report["truncated_rows"]) == (counted.tokens, counted.truncated_rows)  # as if all
+    # were embedded by their units: the rows taken from the sample count there
     stored = np.asarray(out["embedding"].to_pylist(), dtype=np.int8)
     want = quantize(floats, dtype="int8", calibration=calibration)
     assert np.abs(stored.astype(int) - want).max() <= 1 and (stored != want).mean() < 1e-3

@@ -44,6 +44,23 @@ def test_per_worker_busy_and_scaling_by_hand():
     assert m["startup_seconds"] == 2.0 and m["padding_efficiency"] == 1.0
 
 
+def test_a_calibration_piece_is_worker_time_and_start_up_ends_at_it_but_its_counters_are_the_units():
+    """int8/uint8: a piece of the calibration sample (cluster/sampled.py) is on its worker's timeline; what it
+    computed counts in the units that took its rows, so its own counters are not added again."""
+    piece = UnitSpan(1, 1001.0, 1002.0, Counters(tokens=900, stages={"encode": 0.9}), calibration=True)
+    m = _metrics(SPANS + [piece])
+    w0, w1 = m["per_worker"]
+    assert (w1["units"], w1["rows"], w1["tokens"], w1["seconds"]) == (1, 150, 6000, 7.0)  # 6 s unit + 1 s piece
+    assert w1["busy_fraction"] == pytest.approx(5.4 / 7) and w1["timeline"][0] == [1.0, 2.0, 0, 900]
+    assert m["startup_seconds"] == 1.0  # to the first piece taken, before the first unit
+    assert m["scaling_efficiency"] == pytest.approx(15 / 20)
+    assert m["scaling_efficiency_after_startup"] == pytest.approx(15 / 18)
+    assert m["busy_fraction"] == pytest.approx(11.4 / 15)
+    took = UnitSpan(1, 1008.0, 1009.0, Counters(rows=20, tokens=800, sampled_rows=15, sampled_tokens=600))
+    w1 = _metrics(SPANS + [piece, took])["per_worker"][1]
+    assert w1["tokens"] == 6800 and w1["timeline"][-1] == [8.0, 9.0, 20, 200]  # the tokens the unit computed
+
+
 def test_scaling_takes_its_wall_on_the_spans_clock_when_the_driver_clock_disagrees():
     # a VM paused mid-run: the spans (time.time()) cover 10 s, the driver's perf_counter saw 7.5 s of them
     m = _metrics(SPANS, wall_seconds=7.5, ended_at=1010.0)

@@ -1,17 +1,29 @@
 """The int8/uint8 calibration sample's vectors kept for its rows (cluster/sampled.py): when they are kept, how rows
-find them by text, and a worker that writes them for those rows instead of embedding the rows again."""
+find them by text and what they count in their unit, and a worker that writes them for those rows instead of
+embedding the rows again."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from embedpipe.cluster import sampled
-from embedpipe.cluster.sampled import SampleVectors, fill
-from embedpipe.cluster.worker import EmbedWorker, WorkerSetup
+from embedpipe.cluster.sampled import SamplePiece, SampleVectors
+from embedpipe.cluster.worker import EmbedWorker, UnitResult, WorkerSetup
 from embedpipe.config import load_job
+from embedpipe.report.counters import Counters
 from embedpipe.units import Unit
 from tests.conftest import write_job
+
+MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _piece(vectors: np.ndarray, tokens: list[int], *, padded: int, encode: float) -> SamplePiece:
+    counters = Counters(tokens=sum(tokens), padded_tokens=padded, stages={"tokenize": 0.0, "encode": encode})
+    span = UnitResult(unit_id="calibration", worker=0, counters=counters.to_dict(), peak_rss_mb=0.0)
+    return SamplePiece(vectors=vectors, tokens=np.asarray(tokens, dtype=np.int64),
+                       truncated=np.asarray([t >= 8 for t in tokens]), span=span)
 
 
 def _vectors(rows: int, dim: int = 4) -> np.ndarray:
@@ -20,67 +32,98 @@ def _vectors(rows: int, dim: int = 4) -> np.ndarray:
 
 def test_kept_only_when_the_sample_holds_a_quarter_of_the_input_and_fits_the_byte_bound(monkeypatch):
     texts = [f"text {i}" for i in range(10)]
-    assert SampleVectors.kept(texts, _vectors(10), input_rows=40) is not None  # a quarter
-    assert SampleVectors.kept(texts, _vectors(10), input_rows=41) is None  # less than a quarter: not worth it
-    assert SampleVectors.kept([], _vectors(0), input_rows=0) is None
+    pieces = [_piece(_vectors(10), [3] * 10, padded=30, encode=1.0)]
+    assert SampleVectors.kept(texts, pieces, input_rows=40) is not None  # a quarter
+    assert SampleVectors.kept(texts, pieces, input_rows=41) is None  # less than a quarter: not worth it
+    assert SampleVectors.kept([], [], input_rows=0) is None
     size = _vectors(10).nbytes + sum(map(len, texts))
     monkeypatch.setattr(sampled, "KEEP_BYTES", size)
-    assert SampleVectors.kept(texts, _vectors(10), input_rows=10) is not None
+    assert SampleVectors.kept(texts, pieces, input_rows=10) is not None
     monkeypatch.setattr(sampled, "KEEP_BYTES", size - 1)  # every worker would hold a copy: bounded
-    assert SampleVectors.kept(texts, _vectors(10), input_rows=10) is None
+    assert SampleVectors.kept(texts, pieces, input_rows=10) is None
 
 
-def test_rows_find_the_sample_vectors_by_text_in_order_and_fill_puts_them_back_among_the_encoded():
-    kept = SampleVectors.kept(["a", "b", "c"], _vectors(3), input_rows=3)
-    assert kept.lookup(["x", "y"]) is None
-    found, known = kept.lookup(["c", "x", "a", "c"])  # a text twice: the same vector twice
-    assert found.tolist() == [True, False, True, True]
-    np.testing.assert_array_equal(known, _vectors(3)[[2, 0, 2]])
-    encoded = np.full((1, 4), -1, dtype=np.float32)
-    np.testing.assert_array_equal(fill(found, known, encoded), np.stack([known[0], encoded[0], known[1], known[2]]))
+def test_rows_find_the_sample_by_text_and_count_in_their_unit_what_embedding_them_cost():
+    """Two pieces: rows a, b (2 and 6 tokens, 10 computed, 1 s encode) and c (8 tokens, truncated, 8 computed,
+    2 s). A unit's texts c, x, a, c: three rows from the sample (c twice), x encoded."""
+    pieces = [_piece(_vectors(2), [2, 6], padded=10, encode=1.0), _piece(_vectors(1) + 100, [8], padded=8, encode=2.0)]
+    kept = SampleVectors.kept(["a", "b", "c"], pieces, input_rows=3)
+    assert kept.take(["x", "y"]) is None
+    taken = kept.take(["c", "x", "a", "c"])
+    assert taken.found.tolist() == [True, False, True, True]
+    encoded = np.full((1, 4), -1, dtype=np.float32)  # x's vector
+    want = np.stack([_vectors(1)[0] + 100, encoded[0], _vectors(2)[0], _vectors(1)[0] + 100])
+    np.testing.assert_array_equal(taken.fill(encoded), want)
+    counters = Counters(rows=1, tokens=5)  # x, encoded by the unit
+    taken.count(counters)
+    assert (counters.rows, counters.sampled_rows, counters.tokens) == (4, 3, 5 + 8 + 2 + 8)
+    assert counters.sampled_tokens == 8 + 2 + 8  # computed by the pieces: the timeline puts them there
+    assert counters.tokens_squared == 64 + 4 + 64 and counters.truncated_rows == 2
+    assert counters.padded_tokens == round(8 + 10 * 2 / 8 + 8)  # a's share of its piece: 2 of 8 tokens
+    assert counters.stages["encode"] == pytest.approx(2.0 + 1.0 * 2 / 8 + 2.0)
+    assert "tokenize" not in counters.stages or counters.stages["tokenize"] == 0.0
 
 
-def test_a_worker_writes_the_sample_vectors_for_the_rows_the_sample_holds_and_encodes_the_others(small_corpus,
+@pytest.fixture(scope="module")
+def worker(small_corpus, tmp_path_factory):
+    _, path = small_corpus
+    folder = tmp_path_factory.mktemp("sampled")
+    job = load_job(write_job(folder / "job.yaml", name="sampled", input={"path": str(path)},
+                             model={"path": MODEL, "dtype": "float32"}, output={"path": str(folder / "out")}))
+    return EmbedWorker(job, model=None, index=0, threads=1)
+
+
+def test_a_piece_of_the_sample_carries_each_rows_tokens_and_its_span(worker, small_corpus):
+    table, _ = small_corpus
+    texts = table["text"].to_pylist()[:50]
+    piece = worker.embed_sample(texts)
+    np.testing.assert_array_equal(piece.vectors, worker.encoder.embed(texts))
+    tok = worker.encoder.tokenizer(texts)
+    np.testing.assert_array_equal(piece.tokens, tok.lengths)
+    np.testing.assert_array_equal(piece.truncated, tok.truncated)
+    span = Counters.from_dict(piece.span.counters)
+    assert span.tokens == tok.lengths.sum() and span.rows == 0  # its rows count in the units that take them
+    assert piece.span.unit_id == "calibration" and piece.span.worker == 0
+    assert piece.span.started <= piece.span.finished and span.stages["encode"] > 0
+
+
+def test_a_worker_writes_the_sample_vectors_for_the_rows_the_sample_holds_and_encodes_the_others(worker,
+                                                                                                   small_corpus,
                                                                                                    tmp_path):
     table, path = small_corpus
-    out = tmp_path / "out"
-    job = load_job(write_job(tmp_path / "job.yaml", name="sampled", input={"path": str(path)},
-                             model={"path": "sentence-transformers/all-MiniLM-L6-v2", "dtype": "float32"},
-                             output={"path": str(out)}))
-    out.mkdir()
-    worker = EmbedWorker(job, model=None, index=0, threads=1)
     texts, ids = table["text"].to_pylist()[:100], table["id"].to_pylist()[:100]
-    held = list(range(0, 100, 3))  # the sample holds every third row of the unit, and one text of no row
-    marks = -worker.encoder.embed([texts[i] for i in held])  # vectors no encode of these rows would give
-    kept = SampleVectors.kept([texts[i] for i in held] + ["in no unit"], np.vstack([marks, marks[:1]]),
-                              input_rows=100)
-    worker.configure(WorkerSetup(output_path=str(out), sampled=kept))
+    held = [texts[i] for i in range(0, 100, 3)] + ["in no unit"]  # every third row of the unit, and no row's text
+    piece = worker.embed_sample(held)
+    piece.vectors = -piece.vectors  # vectors no encode of these rows would give: the test sees which were taken
+    worker.configure(WorkerSetup(output_path=str(tmp_path), sampled=SampleVectors.kept(held, [piece],
+                                                                                        input_rows=100)))
     result = worker.process(Unit(id="00000-00000", file=str(path), row_groups=(0,), num_rows=100))
 
-    sample = set(texts[i] for i in held)
-    assert result.counters["rows"] == 100 and result.counters["sampled_rows"] == len(sample)
-    plain = worker.encoder.embed(texts)  # [100, D] every row encoded
-    got = pq.read_table(next((out / "vectors").glob("part-*.parquet")))
+    sample = set(held)
+    plain, counted = worker.encoder.embed(texts), Counters()  # every row encoded, as without the sample
+    worker.encoder.embed(texts, counted)
+    got = pq.read_table(next((tmp_path / "vectors").glob("part-*.parquet")))
     by_id = dict(zip(got["id"].to_pylist(), np.asarray(got["embedding"].to_pylist(), dtype=np.float32)))
     for row, (row_id, text) in enumerate(zip(ids, texts)):
-        want = marks[held.index(texts.index(text))] if text in sample else plain[row]
+        want = piece.vectors[held.index(text)] if text in sample else plain[row]
         np.testing.assert_allclose(by_id[row_id], want, atol=1e-6, err_msg=f"row {row}")
-    others = worker.encoder.tokenizer([t for t in texts if t not in sample]).lengths.sum()
-    assert result.counters["tokens"] == others  # the sample's rows were not tokenized or encoded again
+    unit = Counters.from_dict(result.counters)
+    assert unit.rows == 100 and unit.sampled_rows == sum(t in sample for t in texts) >= 34
+    # the unit counts the rows it took as if it had encoded them: tokens, their squares, truncation
+    assert (unit.tokens, unit.tokens_squared, unit.truncated_rows) == (counted.tokens, counted.tokens_squared,
+                                                                       counted.truncated_rows)
 
 
 def test_a_chunked_run_keeps_no_sample(tmp_path):
     """Its rows are chunks of documents, not the texts the calibration embedded."""
     from embedpipe.cluster.driver import _kept_sample
 
-    job = load_job(write_job(tmp_path / "job.yaml", input={"path": str(tmp_path), "chunking": {"mode": "split"}},
-                             model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
-                             output={"path": str(tmp_path / "out"), "dtype": "int8"}))
+    def job(name: str, **chunking):
+        return load_job(write_job(tmp_path / f"{name}.yaml", input={"path": str(tmp_path), **chunking},
+                                  model={"path": MODEL}, output={"path": str(tmp_path / "out"), "dtype": "int8"}))
+
     units = [Unit(id="00000-00000", file="f", row_groups=(0,), num_rows=3)]
-    sample = [(["a", "b", "c"], _vectors(3))]
-    assert _kept_sample(job, sample, units) is None
-    plain = load_job(write_job(tmp_path / "plain.yaml", input={"path": str(tmp_path)},
-                               model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
-                               output={"path": str(tmp_path / "out"), "dtype": "int8"}))
-    assert _kept_sample(plain, sample, units).texts == ["a", "b", "c"]
-    assert _kept_sample(plain, [], units) is None  # no fit this run (resumed, or an incremental night)
+    sample = [(["a", "b", "c"], [_piece(_vectors(3), [1, 2, 3], padded=6, encode=1.0)])]
+    assert _kept_sample(job("chunked", chunking={"mode": "split"}), sample, units) is None
+    assert _kept_sample(job("plain"), sample, units).texts == ["a", "b", "c"]
+    assert _kept_sample(job("plain"), [], units) is None  # no fit this run (resumed, or an incremental night)

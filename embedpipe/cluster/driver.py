@@ -121,19 +121,20 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     """The int8/uint8 calibration's sample embedded by the run's workers before their ``configure``: cut in two
     pieces per worker, taken first come first served (``Scheduler.share``); float vectors [n, D] in its order.
     Batch invariance makes them the vectors one worker would give for the whole sample. ``timed``: given, it gets
-    the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``:
-    part of the run's start-up; the workers' own start too where they were not up yet). ``sample``: given, the
-    sample's texts and vectors are appended to it (the units may take them: ``_kept_sample``)."""
+    the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``,
+    with the workers' own start where they were not up yet). ``sample``: given, the sample's texts and its
+    pieces (``SamplePiece``: each row's tokens, the piece's span) are appended to it: ``_kept_sample``,
+    ``_calibration_spans``."""
     began = time.perf_counter()
     count = min(len(texts), 2 * max(scheduler.workers, 1))
     bounds = np.linspace(0, len(texts), count + 1).astype(int)
-    pieces = [texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    vectors = np.concatenate(scheduler.share(pieces, lambda actor, piece: actor.embed_sample.remote(piece)))
+    pieces = scheduler.share([texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                             lambda actor, piece: actor.embed_sample.remote(piece))
     if timed is not None:
         timed.update(rows=len(texts), seconds=round(time.perf_counter() - began, 2))
     if sample is not None:
-        sample.append((texts, vectors))
-    return vectors
+        sample.append((texts, pieces))
+    return np.concatenate([piece.vectors for piece in pieces])
 
 
 def _kept_sample(job: JobSpec, sample: list, units: list[Unit]) -> SampleVectors | None:
@@ -141,8 +142,15 @@ def _kept_sample(job: JobSpec, sample: list, units: list[Unit]) -> SampleVectors
     holds when worth it (cluster/sampled.py); None for a run that fitted none, or chunks its documents."""
     if not sample or job.input.chunking.mode != "off":
         return None
-    texts, vectors = sample[0]
-    return SampleVectors.kept(texts, vectors, input_rows=sum(u.num_rows for u in units))
+    texts, pieces = sample[0]
+    return SampleVectors.kept(texts, pieces, input_rows=sum(u.num_rows for u in units))
+
+
+def _calibration_spans(sample: list) -> list[UnitSpan]:
+    """The calibration's pieces on their workers' timelines: their wall counts as the workers' (the report's
+    scaling); what they computed counts in the units that take their rows (cluster/sampled.py)."""
+    return [UnitSpan(p.span.worker, p.span.started, p.span.finished, Counters.from_dict(p.span.counters),
+                     node=p.span.node, calibration=True) for _, pieces in sample for p in pieces]
 
 
 def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
@@ -322,7 +330,12 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             # kept (up to KEEP_BYTES): the units do not embed its rows again
             setup = ray.put(WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
                                         description=description, sampled=_kept_sample(job, sample, plan.units)))
-            sample.clear()  # the driver's copy
+            spans += _calibration_spans(sample)
+            for _, pieces in sample:  # the devices the workers measured (a worker may end before any unit)
+                for piece in pieces:
+                    devices[piece.span.worker] = DeviceInfo.from_dict(piece.span.device)
+                    peaks[piece.span.worker] = max(peaks.get(piece.span.worker, 0.0), piece.span.peak_rss_mb)
+            sample.clear()  # the driver's copy of the sample's vectors: the object store holds them now
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):

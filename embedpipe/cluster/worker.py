@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.cluster.nodes import node_name
+from embedpipe.cluster.sampled import SamplePiece
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
@@ -122,12 +123,27 @@ class EmbedWorker:
             self.previous = PreviousVectors(setup.incremental.previous, parts=setup.incremental.previous_parts)
         self.setup = setup
 
-    def embed_sample(self, texts: list[str]) -> np.ndarray:
-        """The run's int8/uint8 calibration sample embedded by this worker's encoder, before ``configure`` (its
-        ranges come from this): float vectors [n, D], as a unit's are before they are stored."""
+    def embed_sample(self, texts: list[str]) -> SamplePiece:
+        """A piece of the run's int8/uint8 calibration sample embedded by this worker's encoder, before
+        ``configure`` (its ranges come from this): float vectors [n, D], as a unit's are before they are stored,
+        each row's tokens, and the piece as a span of this worker's timeline (cluster/sampled.py)."""
         # its ranges quantize every part: the driver's code, checked before anything is embedded
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
-        return self.encoder.embed(texts)
+        import numpy as np
+
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        counters, per_row, started = Counters(), [], time.time()
+        vectors = self.encoder.embed(texts, counters, per_row=per_row)
+        counters.rows = 0  # the sample's rows are the units' (those the units take count there)
+        span = UnitResult(unit_id="calibration", worker=self.index, counters=counters.to_dict(),
+                          peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
+                          device=self.device, node=self.node)
+        tokens = np.concatenate([lengths for lengths, _ in per_row]) if per_row else np.zeros(0, np.int64)
+        truncated = np.concatenate([cut for _, cut in per_row]) if per_row else np.zeros(0, bool)
+        return SamplePiece(vectors=vectors, tokens=tokens, truncated=truncated, span=span)
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
         """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)
@@ -161,9 +177,9 @@ class EmbedWorker:
         if self.incremental is not None:
             fresh, reuse = self._reuse(unit.id, rows, counters)
             texts = [rows.texts[i] for i in fresh]
-        sampled = self.sampled.lookup(texts) if self.sampled is not None else None  # (found [T], vectors [K, D])
+        sampled = self.sampled.take(texts) if self.sampled is not None else None
         if sampled is not None:  # the calibration embedded these rows already
-            texts = [text for text, found in zip(texts, sampled[0].tolist()) if not found]
+            texts = [text for text, found in zip(texts, sampled.found.tolist()) if not found]
         return counters, _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh,
                                 reuse=reuse, sampled=sampled)
 
@@ -205,12 +221,8 @@ class EmbedWorker:
         encoded = self.encoder.embed(ahead.texts, counters, prepared=ahead.windows)  # [T - K, D]
         if ahead.sampled is None:
             return encoded
-        from embedpipe.cluster.sampled import fill
-
-        found, known = ahead.sampled
-        counters.rows += len(known)
-        counters.sampled_rows += len(known)
-        return fill(found, known, encoded)
+        ahead.sampled.count(counters)
+        return ahead.sampled.fill(encoded)
 
     def _reuse(self, unit_id: str, rows, counters):
         """Incremental: the rows to encode (content changed) and the previous version's answer for the others."""
@@ -303,7 +315,7 @@ class _Ahead:
     windows: list  # Encoder.prepare(texts)
     fresh: Any = None  # incremental: [F] indices of the rows encoded
     reuse: tuple | None = None  # incremental: (reuse mask [N], their previous stored vectors, content hashes)
-    sampled: tuple | None = None  # (found [T] of the rows to encode, their calibration sample vectors [K, D])
+    sampled: Any = None  # cluster.sampled.Taken: the rows to encode that the calibration sample holds
 
 
 class ReadAhead:

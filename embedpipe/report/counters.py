@@ -20,6 +20,7 @@ class Counters:
     bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows, whatever the policy did with them
     reused_rows: int = 0  # incremental: rows whose vector came from the previous version
     sampled_rows: int = 0  # int8/uint8: rows whose vector the calibration sample gave (embedded in the start-up)
+    sampled_tokens: int = 0  # their real tokens (in ``tokens`` too: computed by the calibration's pieces)
     previous_ids: int = 0  # incremental: rows whose id was in the previous version (changed or not)
     tokens_squared: int = 0  # sum over rows of length^2: the attention term of model FLOPs (report/flops.py)
     documents: int = 0  # input.chunking: documents cut into chunks (each chunk is a row)

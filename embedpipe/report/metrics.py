@@ -1,8 +1,9 @@
 """The run's derived numbers: per-worker throughput and timelines, busy and scaling fractions, MFU, cost.
 
 Definitions (all in report.json, rendered by report/render.py):
-- a worker's ``seconds``: the sum of its units' wall times (from taking a unit to writing its part);
-  its rows/s and tokens/s are measured over those seconds.
+- a worker's ``seconds``: the sum of its units' wall times (from taking a unit to writing its part), and
+  of its int8/uint8 calibration pieces' (``UnitSpan.calibration``: what a piece computed counts in the
+  units that took its rows, cluster/sampled.py); its rows/s and tokens/s are measured over those seconds.
 - ``busy_fraction``: busy seconds / worker seconds, busy seconds being the ``encode`` stage's wall
   seconds (exact on CPU, where the encoder computes synchronously; on GPU an upper bound, as the
   encode stage also covers host-side work around the device's).
@@ -10,8 +11,8 @@ Definitions (all in report.json, rendered by report/render.py):
   worker-seconds spent on units / (workers x wall seconds): what start-up, scheduling gaps and idle
   tails cost. Contention between workers on shared hardware is not in it; compare against a
   one-worker run for that (``embedpipe report ONE_WORKER_RUN N_WORKER_RUN``).
-- ``scaling_efficiency_after_startup``: the same over the wall seconds after start-up (from the first unit
-  taken to the end): what scheduling gaps and idle tails cost, without the run's fixed start-up.
+- ``scaling_efficiency_after_startup``: the same over the wall seconds after start-up (from the first unit,
+  or calibration piece, taken to the end): what scheduling gaps and idle tails cost, without the run's fixed start-up.
   Both efficiencies take their wall on the units' clock (``time.time()``: ``ended_at - started_at``), not the
   driver's ``perf_counter`` of ``wall_seconds``: when the two disagree (a VM paused mid-run steps one of them),
   the ratio of the spans to the run stays whole. ``timeline_seconds`` is that wall: every per-worker
@@ -41,6 +42,8 @@ class UnitSpan:
     finished: float
     counters: Counters
     node: str = ""  # the Ray node it ran on ("<ip>/<node id prefix>"); "" when not known
+    calibration: bool = False  # a piece of the int8/uint8 calibration, not a unit: its wall is the worker's, what
+    # it computed counts in the units that took its rows (cluster/sampled.py)
 
 
 def busy_seconds(stages: dict[str, float]) -> float:
@@ -59,7 +62,8 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     """
     wall = max(wall_seconds, 1e-9)
     span_wall = max((ended_at - started_at) if ended_at is not None else wall_seconds, 1e-9)  # the spans' clock
-    startup = min(s.started for s in spans) - started_at if spans else None  # to the first unit taken
+    startup = min(s.started for s in spans) - started_at if spans else None  # to the first unit (or piece) taken
+    units = [s for s in spans if not s.calibration]  # what the output's rows cost is in their counters
     total = this_run
     fpt, flops = _flops(total, model_config)
     workers = [_worker(i, [s for s in spans if s.worker == i], dev, started_at=started_at, dtype=dtype, fpt=fpt)
@@ -67,13 +71,13 @@ def run_metrics(report: dict, *, this_run: Counters, spans: list[UnitSpan], devi
     worker_seconds = sum(w["seconds"] for w in workers)
     peak_total = sum(_peak(d, dtype) for d in devices) or None
     encode_peak = sum(s.counters.stages.get("encode", 0.0) * _peak(devices[s.worker], dtype)
-                      for s in spans if s.worker < len(devices))
+                      for s in units if s.worker < len(devices))
     prices = [price_for(d, cost) for d in devices for _ in range(d.count)]
     return {
         "padding_efficiency": _ratio(report["tokens"], report["padded_tokens"]),
         "startup_seconds": round(startup, 3) if startup is not None else None,
         "timeline_seconds": round(span_wall, 3),  # the timelines' x axis: job start to end on the spans' clock
-        "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in spans), worker_seconds),
+        "busy_fraction": _ratio(sum(busy_seconds(s.counters.stages) for s in units), worker_seconds),
         "busy_source": "encode",  # the stage busy seconds come from
         "scaling_efficiency": _ratio(worker_seconds, len(devices) * span_wall),
         "scaling_efficiency_after_startup": _ratio(worker_seconds, len(devices) * (span_wall - startup))
@@ -126,8 +130,9 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
             fpt: float | None) -> dict:
     c = Counters()
     for s in spans:
-        c.merge(s.counters)
-    seconds = sum(s.finished - s.started for s in spans)
+        if not s.calibration:  # a calibration piece's: counted in the units that took its rows
+            c.merge(s.counters)
+    seconds = sum(s.finished - s.started for s in spans)  # the calibration's pieces too: the worker's time
     peak = _peak(device, dtype) or None
     return {
         "worker": index,
@@ -135,7 +140,7 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
         "node": " + ".join(dict.fromkeys(s.node for s in sorted(spans, key=lambda s: s.started) if s.node)) or None,
         "device": device.name,
         "linears": device.linears or None,
-        "units": len(spans),
+        "units": sum(not s.calibration for s in spans),
         "rows": c.rows,
         "tokens": c.tokens,
         "seconds": round(seconds, 3),
@@ -144,8 +149,10 @@ def _worker(index: int, spans: list[UnitSpan], device: DeviceInfo, *, started_at
         "busy_fraction": _ratio(busy_seconds(c.stages), seconds),
         "mfu": _ratio(fpt * c.tokens / seconds, peak) if fpt is not None and peak and seconds > 0 else None,
         "stages": {k: round(v, 3) for k, v in c.stages.items()},
+        # the tokens each span computed: a unit's less those its calibration sample rows took (the pieces')
         "timeline": [[round(s.started - started_at, 3), round(s.finished - started_at, 3),
-                      s.counters.rows, s.counters.tokens] for s in sorted(spans, key=lambda s: s.started)],
+                      s.counters.rows, s.counters.tokens - s.counters.sampled_tokens]
+                     for s in sorted(spans, key=lambda s: s.started)],
     }
 
 

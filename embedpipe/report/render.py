@@ -165,7 +165,7 @@ OVERVIEW: list[Metric] = [
     Metric("Run", "retried units", _retried_text, f_text, numeric=False),
     Metric("Run", "failed worker starts", _failed_starts_text, f_text, numeric=False),
     Metric("Run", "wall time", _dig("wall_seconds"), f_sec),
-    Metric("Run", "start-up (to first unit)", _dig("startup_seconds"), f_sec),
+    Metric("Run", "start-up (to first unit or calibration piece)", _dig("startup_seconds"), f_sec),
     Metric("Run", "peak memory, driver", _dig("peak_rss_mb", "driver"), f_mb),
     Metric("Run", "peak memory, worker (max)", _max_worker_rss, f_mb),
     Metric("Data", "rows", _dig("rows"), f_int),
@@ -360,8 +360,8 @@ def render_markdown(report: dict, *, project_rows: float | None = None, plot: st
               f"- price source: {cost.get('source', UNKNOWN)}",
               f"- device busy is measured from the `{report.get('busy_source', 'encode')}` stage "
               "(on CPU the encoder computes synchronously, so its wall time is device time).",
-              "- scaling efficiency: worker-seconds on units / (workers x wall seconds), after start-up: over "
-              "the wall seconds from the first unit taken; MFU: model FLOPs "
+              "- scaling efficiency: worker-seconds on units (and int8/uint8 calibration pieces) / (workers x wall "
+              "seconds), after start-up: over the wall seconds from the first unit or piece taken; MFU: model FLOPs "
               "(counted from config.json, see embedpipe/report/flops.py) over the measured matmul peak.", ""]
     if plot:
         lines += [f"![tokens/s per worker and time by stage]({plot})", ""]

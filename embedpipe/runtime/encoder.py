@@ -137,16 +137,17 @@ class Encoder:
             return start, tok, self.packer(tok)
 
     def embed(self, texts: list[str], counters: Counters | None = None, *,
-              prepared: list[Window] | None = None) -> np.ndarray:
+              prepared: list[Window] | None = None, per_row: list | None = None) -> np.ndarray:
         """Texts to vectors [N, D] float32, in input order.
 
         A prefetch thread tokenizes and packs one sort window ahead while the runner encodes
         (the packer sorts within windows, so the batches are those of the whole list); results
         are read back as they complete. Stage times overlap: tokenize + pack + encode > wall.
         ``prepared``: ``prepare(texts)``'s windows, when the caller tokenized them already.
+        ``per_row``: given, each window's (real tokens [n], truncated [n]) is appended, windows in input order.
         """
         counters = counters if counters is not None else Counters()
-        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared)
+        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared, per_row=per_row)
         counters.rows += len(texts)
         return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
 
@@ -175,7 +176,7 @@ class Encoder:
         return chunks, (np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32))
 
     def _encode(self, texts: list[str], counters: Counters, tokenize, *,
-                prepared: list[Window] | None = None) -> list[np.ndarray]:
+                prepared: list[Window] | None = None, per_row: list | None = None) -> list[np.ndarray]:
         """The vectors of each sort window of ``texts``: ``tokenize(window) -> Tokenized`` (one sequence per
         output row) on the prefetch thread (or ``prepared``: the windows tokenized already), then pack, encode
         and pool."""
@@ -200,5 +201,7 @@ class Encoder:
                 counters.tokens += int(tok.lengths.sum())
                 counters.tokens_squared += int((tok.lengths.astype(np.int64) ** 2).sum())
                 counters.truncated_rows += int(tok.truncated.sum())
+                if per_row is not None:
+                    per_row.append((tok.lengths, tok.truncated))
             collect(force=True)
         return outs
