@@ -131,10 +131,7 @@ class EmbedWorker:
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
         import numpy as np
 
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
+        self._threads_here()
         counters, per_row, started = Counters(), [], time.time()
         vectors = self.encoder.embed(texts, counters, per_row=per_row)
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
@@ -187,10 +184,7 @@ class EmbedWorker:
         from embedpipe.io.layout import atomic_write_table
 
         started = time.time()  # the unit's turn: the report's timeline has no overlap within a worker
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)  # intra-op threads are per calling thread: set where it encodes
+        self._threads_here()
         rows = ahead.rows
         extra, ids, doc = None, rows.ids, None
         if self.encoder.chunker is not None:
@@ -214,6 +208,13 @@ class EmbedWorker:
         return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(),
                           peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
                           device=self.device, node=self.node)
+
+    def _threads_here(self) -> None:
+        """The worker's CPU threads for torch: intra-op threads are per calling thread, so set where it encodes."""
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def _embed(self, ahead: "_Ahead", counters: Counters) -> np.ndarray:
         """The float vectors [T, D] of the unit's rows to encode (every row, or an incremental night's changed
