@@ -55,10 +55,12 @@ class SampleVectors:
         """The sample (``texts``, embedded in ``pieces`` in order) worth keeping for the units: it holds
         ``KEEP_SHARE`` of the input's ``input_rows`` (an input no larger than ``output.calibration_rows`` is all in
         it) and fits in ``KEEP_BYTES``; else None."""
-        vectors = np.concatenate([p.vectors for p in pieces]) if pieces else np.empty((0, 0), np.float32)
-        size = vectors.nbytes + sum(len(t) for t in texts)  # characters: about the texts' bytes
-        if not texts or len(texts) < KEEP_SHARE * input_rows or size > KEEP_BYTES:
+        if not texts or len(texts) < KEEP_SHARE * input_rows:
             return None
+        size = sum(p.vectors.nbytes for p in pieces) + sum(len(t) for t in texts)  # characters: about the texts' bytes
+        if size > KEEP_BYTES:
+            return None
+        vectors = np.concatenate([p.vectors for p in pieces])
         shares = [p.tokens / max(int(p.tokens.sum()), 1) for p in pieces]  # each row's share of its piece
         counters = [Counters.from_dict(p.span.counters) for p in pieces]
         stages = sorted({stage for c in counters for stage, seconds in c.stages.items() if seconds})
