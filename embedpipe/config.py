@@ -237,7 +237,9 @@ class OutputConfig:
     dtype: OutputDtype = opt("float32", "Stored vector type, as sentence-transformers' quantize_embeddings defines it: "
                                         "int8/uint8 bucket each dimension by min/max ranges calibrated on a sample of the run; "
                                         "binary/ubinary pack the bits `x > 0` (dim/8 bytes; binary subtracts 128).")
-    calibration_rows: int = opt(10_000, "int8/uint8: rows sampled uniformly (seeded) over the whole input to calibrate the ranges.")
+    calibration_rows: int = opt(10_000, "int8/uint8: rows sampled uniformly (seeded) over the whole input to calibrate "
+                                        "the ranges. When the sample holds a large share of the input (all of an input no "
+                                        "larger than this), its rows are not embedded again: the units take its vectors.")
     calibration_seed: int = opt(0, "Seed of the calibration sample.")
     document_vectors: Literal["none", "mean"] = opt(
         "none", "input.chunking on: mean also writes one vector per document, the normalised mean of its chunks' "
