@@ -30,11 +30,11 @@ def _vectors(rows: int, dim: int = 4) -> np.ndarray:
     return np.arange(rows * dim, dtype=np.float32).reshape(rows, dim)
 
 
-def test_kept_only_when_the_sample_holds_a_quarter_of_the_input_and_fits_the_byte_bound(monkeypatch):
+def test_kept_only_when_the_sample_holds_a_twentieth_of_the_input_and_fits_the_byte_bound(monkeypatch):
     texts = [f"text {i}" for i in range(10)]
     pieces = [_piece(_vectors(10), [3] * 10, padded=30, encode=1.0)]
-    assert SampleVectors.kept(texts, pieces, input_rows=40) is not None  # a quarter
-    assert SampleVectors.kept(texts, pieces, input_rows=41) is None  # less than a quarter: not worth it
+    assert SampleVectors.kept(texts, pieces, input_rows=200) is not None  # 5 %
+    assert SampleVectors.kept(texts, pieces, input_rows=201) is None  # less: not worth its lookups
     assert SampleVectors.kept([], [], input_rows=0) is None
     size = _vectors(10).nbytes + sum(map(len, texts))
     monkeypatch.setattr(sampled, "KEEP_BYTES", size)

@@ -25,7 +25,8 @@ import numpy as np
 
 from embedpipe.report.counters import Counters
 
-KEEP_SHARE = 0.25  # kept when the sample holds at least this share of the input's rows ...
+KEEP_SHARE = 0.05  # kept when the sample holds at least this share of the input's rows (a row's lookup by its text
+# costs ~0.2 µs, its tokenizing alone ~40: docs/performance.md, session 34) ...
 KEEP_BYTES = 256 << 20  # ... and its vectors and texts fit in this many bytes (every worker holds a copy)
 
 
