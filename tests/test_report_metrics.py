@@ -49,7 +49,7 @@ def test_a_calibration_piece_is_worker_time_and_start_up_ends_at_it_but_its_coun
     computed counts in the units that took its rows, so its own counters are not added again."""
     piece = UnitSpan(1, 1001.0, 1002.0, Counters(tokens=900, stages={"encode": 0.9}), calibration=True)
     m = _metrics(SPANS + [piece])
-    w0, w1 = m["per_worker"]
+    w1 = m["per_worker"][1]
     assert (w1["units"], w1["rows"], w1["tokens"], w1["seconds"]) == (1, 150, 6000, 7.0)  # 6 s unit + 1 s piece
     assert w1["busy_fraction"] == pytest.approx(5.4 / 7) and w1["timeline"][0] == [1.0, 2.0, 0, 900]
     assert m["startup_seconds"] == 1.0  # to the first piece taken, before the first unit
