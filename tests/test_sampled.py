@@ -127,3 +127,18 @@ def test_a_chunked_run_keeps_no_sample(tmp_path):
     assert _kept_sample(job("chunked", chunking={"mode": "split"}), sample, units) is None
     assert _kept_sample(job("plain"), sample, units).texts == ["a", "b", "c"]
     assert _kept_sample(job("plain"), [], units) is None  # no fit this run (resumed, or an incremental night)
+
+
+def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(small_corpus, tmp_path):
+    """Its ranges must be those of the chunk vectors its parts store, not of whole (truncated) documents."""
+    table, path = small_corpus
+    job = load_job(write_job(tmp_path / "job.yaml", name="chunked", output={"path": str(tmp_path / "out")},
+                             input={"path": str(path), "chunking": {"mode": "split", "max_tokens": 24}},
+                             model={"path": MODEL, "dtype": "float32"}))
+    worker = EmbedWorker(job, model=None, index=0, threads=1)
+    texts = table["text"].to_pylist()[:12]
+    piece = worker.embed_sample(texts)
+    chunks, want = worker.encoder.embed_chunks(texts)
+    assert len(want) > len(texts) and piece.tokens is None and piece.truncated is None
+    np.testing.assert_array_equal(piece.vectors, want)
+    assert Counters.from_dict(piece.span.counters).documents == len(texts)

@@ -34,9 +34,9 @@ KEEP_BYTES = 256 << 20  # ... and its vectors and texts fit in this many bytes (
 class SamplePiece:
     """One piece of the calibration sample embedded by one worker (``EmbedWorker.embed_sample``)."""
 
-    vectors: np.ndarray  # [n, D] float32: the run's float vectors, before output.dtype
-    tokens: np.ndarray  # [n] int64: each row's real tokens
-    truncated: np.ndarray  # [n] bool: the row was cut at max_seq_len
+    vectors: np.ndarray  # [n, D] float32: the run's float vectors, before output.dtype ([C, D] chunks: chunked)
+    tokens: np.ndarray | None  # [n] int64: each row's real tokens (None: chunked, never kept)
+    truncated: np.ndarray | None  # [n] bool: the row was cut at max_seq_len (None: chunked)
     span: Any  # cluster.worker.UnitResult: the piece on its worker's timeline, with the counters of its embedding
 
 

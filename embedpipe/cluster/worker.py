@@ -126,20 +126,25 @@ class EmbedWorker:
     def embed_sample(self, texts: list[str]) -> SamplePiece:
         """A piece of the run's int8/uint8 calibration sample embedded by this worker's encoder, before
         ``configure`` (its ranges come from this): float vectors [n, D], as a unit's are before they are stored,
-        each row's tokens, and the piece as a span of this worker's timeline (cluster/sampled.py)."""
+        each row's tokens, and the piece as a span of this worker's timeline (cluster/sampled.py). With
+        ``input.chunking``, the vectors of the texts' chunks [C, D], as the parts store them, and no per-row
+        tokens (a chunked run keeps no sample)."""
         # its ranges quantize every part: the driver's code, checked before anything is embedded
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
         import numpy as np
 
         self._threads_here()
         counters, per_row, started = Counters(), [], time.time()
-        vectors = self.encoder.embed(texts, counters, per_row=per_row)
+        if self.encoder.chunker is not None:  # the ranges are of what the parts store: the documents' chunks
+            _, vectors = self.encoder.embed_chunks(texts, counters)  # [C, D]; never kept (its rows are chunks)
+        else:
+            vectors = self.encoder.embed(texts, counters, per_row=per_row)  # [n, D]
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
         span = UnitResult(unit_id="calibration", worker=self.index, counters=counters.to_dict(),
                           peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
                           device=self.device, node=self.node)
-        tokens = np.concatenate([lengths for lengths, _ in per_row]) if per_row else np.zeros(0, np.int64)
-        truncated = np.concatenate([cut for _, cut in per_row]) if per_row else np.zeros(0, bool)
+        tokens = np.concatenate([lengths for lengths, _ in per_row]) if per_row else None
+        truncated = np.concatenate([cut for _, cut in per_row]) if per_row else None
         return SamplePiece(vectors=vectors, tokens=tokens, truncated=truncated, span=span)
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
