@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from embedpipe.cluster import sampled
-from embedpipe.cluster.sampled import SamplePiece, SampleVectors
+from embedpipe.cluster.sampled import SamplePiece, SampleVectors, documents_within
 from embedpipe.cluster.worker import EmbedWorker, UnitResult, WorkerSetup
 from embedpipe.config import load_job
 from embedpipe.report.counters import Counters
@@ -137,8 +137,21 @@ def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(
                              model={"path": MODEL, "dtype": "float32"}))
     worker = EmbedWorker(job, model=None, index=0, threads=1)
     texts = table["text"].to_pylist()[:12]
+    assert len(worker.encoder.embed_chunks(texts)[1]) > len(texts)  # every chunk: more than the 12 rows asked
     piece = worker.embed_sample(texts)
-    chunks, want = worker.encoder.embed_chunks(texts)
-    assert len(want) > len(texts) and piece.tokens is None and piece.truncated is None
+    _, chunks = worker.encoder.chunker(texts)
+    keep = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))
+    _, want = worker.encoder.embed_chunks([texts[i] for i in keep])  # the chunks of the documents it kept
+    assert 0 < len(want) <= len(texts) and piece.tokens is None and piece.truncated is None
     np.testing.assert_array_equal(piece.vectors, want)
-    assert Counters.from_dict(piece.span.counters).documents == len(texts)
+    assert Counters.from_dict(piece.span.counters).documents == len(keep)
+
+
+def test_a_chunked_piece_keeps_documents_whose_chunks_fit_the_rows_asked_the_same_ones_every_time():
+    chunks = np.array([3, 1, 4, 1, 5, 9, 2, 6])  # 31 chunks in all
+    keep = documents_within(chunks, rows=10)
+    assert 0 < chunks[keep].sum() <= 10 and list(keep) == sorted(set(keep))
+    np.testing.assert_array_equal(documents_within(chunks, rows=10), keep)  # the piece alone decides
+    assert documents_within(chunks, rows=31).tolist() == list(range(8))  # all fit: all kept
+    assert documents_within(chunks, rows=30).tolist() != list(range(8))
+    assert len(documents_within(np.array([40, 50]), rows=10)) == 1  # at least one document

@@ -131,7 +131,8 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     pieces = scheduler.share([texts[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
                              lambda actor, piece: actor.embed_sample.remote(piece))
     if timed is not None:
-        timed.update(rows=len(texts), seconds=round(time.perf_counter() - began, 2))
+        # rows: the vectors the ranges are fitted on (a chunked run's: chunks), as quantization.json says
+        timed.update(rows=sum(len(piece.vectors) for piece in pieces), seconds=round(time.perf_counter() - began, 2))
     if sample is not None:
         sample.append((texts, pieces))
     return np.concatenate([piece.vectors for piece in pieces])

@@ -40,6 +40,16 @@ class SamplePiece:
     span: Any  # cluster.worker.UnitResult: the piece on its worker's timeline, with the counters of its embedding
 
 
+def documents_within(chunks_per_document: np.ndarray, *, rows: int) -> np.ndarray:
+    """A chunked run's piece of the sample: indices, in order, of a fixed-seed random subset of its documents whose
+    chunks [N] add up to at most ``rows`` (at least one document; all of them when they fit). Its calibration then
+    embeds about as many chunk vectors as ``output.calibration_rows`` asks rows, not every chunk of every sampled
+    document; the subset depends on the piece alone, so any worker that takes it embeds the same chunks."""
+    order = np.random.default_rng(0).permutation(len(chunks_per_document))
+    held = np.cumsum(chunks_per_document[order])  # chunks of the first k documents of that order
+    return np.sort(order[:max(1, int(np.searchsorted(held, rows, side="right")))])
+
+
 @dataclass(frozen=True)
 class SampleVectors:
     """The calibration sample's texts, the run's float vectors for them, and what embedding each row cost."""

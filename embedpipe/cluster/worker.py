@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from embedpipe.cluster.codeid import CodeId, check_same_code
 from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.cluster.nodes import node_name
-from embedpipe.cluster.sampled import SamplePiece
+from embedpipe.cluster.sampled import SamplePiece, documents_within
 from embedpipe.config import JobSpec
 from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
@@ -127,8 +127,9 @@ class EmbedWorker:
         """A piece of the run's int8/uint8 calibration sample embedded by this worker's encoder, before
         ``configure`` (its ranges come from this): float vectors [n, D], as a unit's are before they are stored,
         each row's tokens, and the piece as a span of this worker's timeline (cluster/sampled.py). With
-        ``input.chunking``, the vectors of the texts' chunks [C, D], as the parts store them, and no per-row
-        tokens (a chunked run keeps no sample)."""
+        ``input.chunking``, the vectors of chunks [C, D], as the parts store them: all chunks of a subset of the
+        texts that holds about as many chunks as there are texts (``documents_within``), and no per-row tokens (a
+        chunked run keeps no sample)."""
         # its ranges quantize every part: the driver's code, checked before anything is embedded
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
         import numpy as np
@@ -136,7 +137,9 @@ class EmbedWorker:
         self._threads_here()
         counters, per_row, started = Counters(), [], time.time()
         if self.encoder.chunker is not None:  # the ranges are of what the parts store: the documents' chunks
-            _, vectors = self.encoder.embed_chunks(texts, counters)  # [C, D]; never kept (its rows are chunks)
+            _, chunks = self.encoder.chunker(texts)  # tokenized only: each document's chunks
+            keep = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))  # about as many chunks
+            _, vectors = self.encoder.embed_chunks([texts[i] for i in keep], counters)  # [C, D]; never kept
         else:
             vectors = self.encoder.embed(texts, counters, per_row=per_row)  # [n, D]
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
