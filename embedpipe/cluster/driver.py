@@ -32,7 +32,7 @@ from embedpipe.cluster.scheduler import Liveness, Scheduler, worker_actor
 from embedpipe.cluster.shards import shard_runner
 from embedpipe.cluster.signals import handled
 from embedpipe import versions
-from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental, WorkerSetup
+from embedpipe.cluster.worker import READ_AHEAD, EmbedWorker, Incremental, UnitResult, WorkerSetup
 from embedpipe.config import JobSpec, resolve_dtype
 from embedpipe.errors import Interrupted
 from embedpipe.index.build import IndexBuild, plan_index_build
@@ -123,8 +123,8 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     Batch invariance makes them the vectors one worker would give for the whole sample. ``timed``: given, it gets
     the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``,
     with the workers' own start where they were not up yet). ``sample``: given, the sample's texts and its
-    pieces (``SamplePiece``: each row's tokens, the piece's span) are appended to it: ``_kept_sample``,
-    ``_calibration_spans``."""
+    pieces (``SamplePiece``: each row's tokens, the piece's span) are appended to it: ``_kept_sample``, and
+    the pieces' spans for the report (``_noted``)."""
     began = time.perf_counter()
     count = min(len(texts), 2 * max(scheduler.workers, 1))
     bounds = np.linspace(0, len(texts), count + 1).astype(int)
@@ -147,11 +147,17 @@ def _kept_sample(job: JobSpec, sample: list, units: list[Unit]) -> SampleVectors
     return SampleVectors.kept(texts, pieces, input_rows=sum(u.num_rows for u in units))
 
 
-def _calibration_spans(sample: list) -> list[UnitSpan]:
-    """The calibration's pieces on their workers' timelines: their wall counts as the workers' (the report's
-    scaling); what they computed counts in the units that take their rows (cluster/sampled.py)."""
-    return [UnitSpan(p.span.worker, p.span.started, p.span.finished, Counters.from_dict(p.span.counters),
-                     node=p.span.node, calibration=True) for _, pieces in sample for p in pieces]
+def _noted(result: UnitResult, *, spans: list[UnitSpan], devices: dict[int, DeviceInfo], peaks: dict[int, float],
+           calibration: bool = False) -> UnitSpan:
+    """A worker's answer for a unit, or a calibration piece (``calibration``: its wall counts as the worker's, what
+    it computed counts in the units that take its rows, cluster/sampled.py), in the run's records: its span on the
+    worker's timeline, the device the worker measured, the worker's peak memory. Returns the span."""
+    span = UnitSpan(result.worker, result.started, result.finished, Counters.from_dict(result.counters),
+                    node=result.node, calibration=calibration)
+    spans.append(span)
+    devices[result.worker] = DeviceInfo.from_dict(result.device)
+    peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
+    return span
 
 
 def _worker_pool(job: JobSpec, *, model: ShippedModel, workers: WorkerPlan, code: CodeId, count: int) -> Scheduler:
@@ -331,21 +337,16 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             # kept (up to KEEP_BYTES): the units do not embed its rows again
             setup = ray.put(WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
                                         description=description, sampled=_kept_sample(job, sample, plan.units)))
-            spans += _calibration_spans(sample)
-            for _, pieces in sample:  # the devices the workers measured (a worker may end before any unit)
+            for _, pieces in sample:  # a worker may end before any unit: its device is known from its pieces
                 for piece in pieces:
-                    devices[piece.span.worker] = DeviceInfo.from_dict(piece.span.device)
-                    peaks[piece.span.worker] = max(peaks.get(piece.span.worker, 0.0), piece.span.peak_rss_mb)
+                    _noted(piece.span, spans=spans, devices=devices, peaks=peaks, calibration=True)
             sample.clear()  # the driver's copy of the sample's vectors: the object store holds them now
             per_worker = [Counters() for _ in range(scheduler.workers)]
             with progress_bar(total=sum(u.num_rows for u in todo), desc=job.name, enabled=progress) as bar:
                 for result in scheduler.run(todo, ready=lambda actor: actor.configure.remote(setup)):
-                    counters = Counters.from_dict(result.counters)
+                    counters = _noted(result, spans=spans, devices=devices, peaks=peaks).counters
                     this_run.merge(counters)
                     per_worker[result.worker].merge(counters)
-                    peaks[result.worker] = max(peaks.get(result.worker, 0.0), result.peak_rss_mb)
-                    spans.append(UnitSpan(result.worker, result.started, result.finished, counters, node=result.node))
-                    devices[result.worker] = DeviceInfo.from_dict(result.device)
                     _warn_once(slower_than_float32(devices[result.worker], job.model.dtype), warned)
                     bar.update(counters.rows + counters.skipped_rows)
                     elapsed = max(time.perf_counter() - started, 1e-9)

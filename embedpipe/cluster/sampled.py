@@ -112,11 +112,12 @@ class Taken:
     def count(self, counters: Counters) -> None:
         """Add the rows to the unit's counters as if it had encoded them (and as ``sampled_rows``)."""
         s, rows = self.sample, self.rows
+        tokens = s.tokens[rows]  # [K]
         counters.rows += len(rows)
         counters.sampled_rows += len(rows)
-        counters.tokens += int(s.tokens[rows].sum())
-        counters.sampled_tokens += int(s.tokens[rows].sum())
-        counters.tokens_squared += int((s.tokens[rows] ** 2).sum())
+        counters.tokens += int(tokens.sum())
+        counters.sampled_tokens += int(tokens.sum())
+        counters.tokens_squared += int((tokens ** 2).sum())
         counters.truncated_rows += int(s.truncated[rows].sum())
         counters.padded_tokens += int(round(float(s.padded[rows].sum())))
         for stage, seconds in s.seconds.items():

@@ -143,9 +143,7 @@ class EmbedWorker:
         else:
             vectors = self.encoder.embed(texts, counters, per_row=per_row)  # [n, D]
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
-        span = UnitResult(unit_id="calibration", worker=self.index, counters=counters.to_dict(),
-                          peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
-                          device=self.device, node=self.node)
+        span = self._result("calibration", counters, started=started)
         tokens = np.concatenate([lengths for lengths, _ in per_row]) if per_row else None
         truncated = np.concatenate([cut for _, cut in per_row]) if per_row else None
         return SamplePiece(vectors=vectors, tokens=tokens, truncated=truncated, span=span)
@@ -213,7 +211,11 @@ class EmbedWorker:
         self.manifest.record(unit.id, parts=[part], document_parts=documents, file=unit.file,
                              row_groups=list(unit.row_groups), row_start=unit.row_start, num_rows=unit.num_rows,
                              counters=counters.to_dict())
-        return UnitResult(unit_id=unit.id, worker=self.index, counters=counters.to_dict(),
+        return self._result(unit.id, counters, started=started)
+
+    def _result(self, unit_id: str, counters: Counters, *, started: float) -> UnitResult:
+        """What the driver gets back for a unit, or a calibration piece, this worker finished now."""
+        return UnitResult(unit_id=unit_id, worker=self.index, counters=counters.to_dict(),
                           peak_rss_mb=round(peak_rss_mb(), 1), started=started, finished=time.time(),
                           device=self.device, node=self.node)
 
