@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from embedpipe.cli import app
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantize
 from embedpipe.cluster.calibrate import sample_texts
-from embedpipe.config import InputConfig
+from embedpipe.config import InputConfig, load_job
 from embedpipe.report.counters import Counters
 from embedpipe.runtime import Encoder
 from embedpipe.units import list_files, plan_units
@@ -72,6 +72,56 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
     # the sample holds 150 of 400 rows: the units took its vectors for those rows instead of embedding them again
     assert report["calibration"]["rows_kept"] == sum(texts[i] in set(sample) for i in out["id"].to_pylist())
     assert report["calibration"]["rows_kept"] >= 150
+
+
+def test_chunked_int8_fits_its_ranges_on_chunk_vectors_and_keeps_them(tmp_path, quickstart_table, ray_session):
+    """input.chunking split with int8 through the CLI: the ranges are those of the sampled documents' chunk
+    vectors (each piece's ``documents_within``), the units take those documents' chunks instead of embedding them
+    again, and the stored bytes and the report are as if every document had been embedded by its unit."""
+    from embedpipe.cluster.sampled import documents_within
+
+    table = quickstart_table.slice(0, 300)
+    folder = tmp_path / "corpus"
+    split_corpus(table, folder, files=1, row_group_size=100)  # 3 units
+    job = write_job(tmp_path / "job.yaml",
+                    input={"path": str(folder), "unit_rows": 100, "chunking": {"mode": "split", "max_tokens": 32}},
+                    model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
+                    output={"path": str(tmp_path / "out"), "dtype": "int8", "calibration_rows": 200,
+                            "calibration_seed": 3},
+                    cluster={"workers": 2, "cpus_per_worker": 1})
+    result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 0, result.output
+
+    encoder = Encoder.from_job(load_job(job))  # the run's own, chunking included
+    units = plan_units(list_files(str(folder)), unit_rows=100)
+    sample = sample_texts(InputConfig(path=str(folder)), units, rows=200, seed=3)
+    bounds = np.linspace(0, len(sample), 5).astype(int)  # two pieces per worker
+    fitted, held = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        piece = sample[a:b]
+        keep = documents_within(encoder.chunker(piece)[1].per_document_of(len(piece)), rows=len(piece))
+        held += [piece[i] for i in keep]
+        fitted.append(encoder.embed_chunks([piece[i] for i in keep])[1])
+    fitted = np.concatenate(fitted)
+    record = json.loads((tmp_path / "out" / "quantization.json").read_text())
+    calibration = Calibration(**record["calibration"])
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert calibration.rows == report["calibration"]["rows"] == len(fitted) <= 200
+    np.testing.assert_allclose(calibration.ranges_array, np.vstack([fitted.min(0), fitted.max(0)]), atol=1e-6)
+
+    out = pq.read_table(sorted((tmp_path / "out" / "vectors").glob("part-*.parquet")))
+    counted = Counters()
+    chunks, floats = encoder.embed_chunks(table["text"].to_pylist(), counted)  # every document, in input order
+    assert out["id"].to_pylist() == table["id"].take(pa.array(chunks.doc)).to_pylist()
+    assert out["chunk"].to_pylist() == chunks.chunk.tolist() and out["start"].to_pylist() == chunks.start.tolist()
+    stored = np.asarray(out["embedding"].to_pylist(), dtype=np.int8)
+    want = quantize(floats, dtype="int8", calibration=calibration)
+    assert np.abs(stored.astype(int) - want).max() <= 1 and (stored != want).mean() < 1e-3
+    kept = set(held)
+    texts = table["text"].to_pylist()
+    assert report["calibration"]["rows_kept"] == sum(texts[d] in kept for d in chunks.doc.tolist()) > 0
+    assert (report["rows"], report["tokens"]) == (len(chunks), counted.tokens)  # as if all were embedded
+    assert report["chunking"]["documents"] == 300 and report["chunking"]["chunks"] == len(chunks)
 
 
 def test_incremental_int8_reuses_the_calibration_and_the_stored_bytes(tmp_path, quickstart_table, ray_session):

@@ -12,7 +12,7 @@ from embedpipe.cluster import sampled
 from embedpipe.cluster.sampled import SamplePiece, SampleVectors, documents_within
 from embedpipe.cluster.worker import EmbedWorker, UnitResult, WorkerSetup
 from embedpipe.config import load_job
-from embedpipe.report.counters import Counters
+from embedpipe.report.counters import Counters, DocumentCost
 from embedpipe.units import Unit
 from tests.conftest import write_job
 
@@ -20,10 +20,13 @@ MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def _piece(vectors: np.ndarray, tokens: list[int], *, padded: int, encode: float) -> SamplePiece:
+    """An unchunked piece: a row per text, truncated at 8 tokens."""
     counters = Counters(tokens=sum(tokens), padded_tokens=padded, stages={"tokenize": 0.0, "encode": encode})
     span = UnitResult(unit_id="calibration", worker=0, counters=counters.to_dict(), peak_rss_mb=0.0)
-    return SamplePiece(vectors=vectors, tokens=np.asarray(tokens, dtype=np.int64),
-                       truncated=np.asarray([t >= 8 for t in tokens]), span=span)
+    n, lengths = len(tokens), np.asarray(tokens, dtype=np.int64)
+    cost = DocumentCost(tokens=lengths, tokens_squared=lengths ** 2, truncated=(lengths >= 8).astype(np.int64),
+                        chunks=np.ones(n, dtype=np.int64))
+    return SamplePiece(vectors=vectors, size=n, embedded=np.arange(n), cost=cost, chunks=None, span=span)
 
 
 def _vectors(rows: int, dim: int = 4) -> np.ndarray:
@@ -79,8 +82,11 @@ def test_a_piece_of_the_sample_carries_each_rows_tokens_and_its_span(worker, sma
     piece = worker.embed_sample(texts)
     np.testing.assert_array_equal(piece.vectors, worker.encoder.embed(texts))
     tok = worker.encoder.tokenizer(texts)
-    np.testing.assert_array_equal(piece.tokens, tok.lengths)
-    np.testing.assert_array_equal(piece.truncated, tok.truncated)
+    assert piece.size == 50 and piece.embedded.tolist() == list(range(50)) and piece.chunks is None
+    np.testing.assert_array_equal(piece.cost.tokens, tok.lengths)
+    np.testing.assert_array_equal(piece.cost.tokens_squared, tok.lengths.astype(np.int64) ** 2)
+    np.testing.assert_array_equal(piece.cost.truncated, tok.truncated)
+    assert piece.cost.chunks.tolist() == [1] * 50
     span = Counters.from_dict(piece.span.counters)
     assert span.tokens == tok.lengths.sum() and span.rows == 0  # its rows count in the units that take them
     assert piece.span.unit_id == "calibration" and piece.span.worker == 0
@@ -114,37 +120,81 @@ def test_a_worker_writes_the_sample_vectors_for_the_rows_the_sample_holds_and_en
                                                                        counted.truncated_rows)
 
 
-def test_a_chunked_run_keeps_no_sample(tmp_path):
-    """Its rows are chunks of documents, not the texts the calibration embedded."""
+def test_a_run_keeps_its_sample_chunked_or_not_unless_it_fitted_none(tmp_path):
     from embedpipe.cluster.driver import _kept_sample
-
-    def job(name: str, **chunking):
-        return load_job(write_job(tmp_path / f"{name}.yaml", input={"path": str(tmp_path), **chunking},
-                                  model={"path": MODEL}, output={"path": str(tmp_path / "out"), "dtype": "int8"}))
 
     units = [Unit(id="00000-00000", file="f", row_groups=(0,), num_rows=3)]
     sample = [(["a", "b", "c"], [_piece(_vectors(3), [1, 2, 3], padded=6, encode=1.0)])]
-    assert _kept_sample(job("chunked", chunking={"mode": "split"}), sample, units) is None
-    assert _kept_sample(job("plain"), sample, units).texts == ["a", "b", "c"]
-    assert _kept_sample(job("plain"), [], units) is None  # no fit this run (resumed, or an incremental night)
+    assert _kept_sample(sample, units).texts == ["a", "b", "c"]
+    assert _kept_sample([], units) is None  # no fit this run (resumed, or an incremental night)
 
 
-def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(small_corpus, tmp_path):
-    """Its ranges must be those of the chunk vectors its parts store, not of whole (truncated) documents."""
-    table, path = small_corpus
-    job = load_job(write_job(tmp_path / "job.yaml", name="chunked", output={"path": str(tmp_path / "out")},
-                             input={"path": str(path), "chunking": {"mode": "split", "max_tokens": 24}},
+@pytest.fixture(scope="module", params=["split", "late"])
+def chunked_worker(request, small_corpus, tmp_path_factory):
+    _, path = small_corpus
+    folder = tmp_path_factory.mktemp(f"chunked-{request.param}")
+    job = load_job(write_job(folder / "job.yaml", name="chunked", output={"path": str(folder / "out")},
+                             input={"path": str(path), "chunking": {"mode": request.param, "max_tokens": 24}},
                              model={"path": MODEL, "dtype": "float32"}))
-    worker = EmbedWorker(job, model=None, index=0, threads=1)
-    texts = table["text"].to_pylist()[:12]
+    return EmbedWorker(job, model=None, index=0, threads=1)
+
+
+def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(chunked_worker, small_corpus):
+    """Its ranges must be those of the chunk vectors its parts store, not of whole (truncated) documents."""
+    table, _ = small_corpus
+    worker, texts = chunked_worker, table["text"].to_pylist()[:12]
     assert len(worker.encoder.embed_chunks(texts)[1]) > len(texts)  # every chunk: more than the 12 rows asked
     piece = worker.embed_sample(texts)
     _, chunks = worker.encoder.chunker(texts)
     keep = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))
-    _, want = worker.encoder.embed_chunks([texts[i] for i in keep])  # the chunks of the documents it kept
-    assert 0 < len(want) <= len(texts) and piece.tokens is None and piece.truncated is None
+    counted = Counters()
+    want_chunks, want = worker.encoder.embed_chunks([texts[i] for i in keep], counted)  # the documents it kept
+    assert 0 < len(want) <= len(texts) and piece.size == 12 and piece.embedded.tolist() == keep.tolist()
     np.testing.assert_array_equal(piece.vectors, want)
+    for name in ("doc", "chunk", "start", "end"):
+        np.testing.assert_array_equal(piece.chunks[name], getattr(want_chunks, name))
+    # what each document cost adds up to what embedding them counted
+    assert piece.cost.chunks.tolist() == want_chunks.per_document_of(len(keep)).tolist()
+    assert (piece.cost.tokens.sum(), piece.cost.tokens_squared.sum()) == (counted.tokens, counted.tokens_squared)
     assert Counters.from_dict(piece.span.counters).documents == len(keep)
+
+
+def test_a_chunked_unit_takes_the_chunks_of_the_documents_the_sample_holds_and_counts_them_as_its_own(
+        chunked_worker, small_corpus, tmp_path):
+    """Every other row's document in the sample, with (negated, so recognisable) vectors: those documents' chunk
+    rows carry the sample's vectors and columns, the others are encoded; the unit's counters are those of
+    encoding every document."""
+    table, path = small_corpus
+    worker = chunked_worker
+    texts, ids = table["text"].to_pylist()[:100], table["id"].to_pylist()[:100]
+    sample_texts = texts[::2]
+    piece = worker.embed_sample(sample_texts)
+    piece.vectors = -piece.vectors
+    held = [sample_texts[i] for i in piece.embedded.tolist()]
+    assert len(held) >= 5
+    worker.configure(WorkerSetup(output_path=str(tmp_path), sampled=SampleVectors.kept(sample_texts, [piece],
+                                                                                        input_rows=100)))
+    result = worker.process(Unit(id="00000-00000", file=str(path), row_groups=(0,), num_rows=100))
+
+    counted = Counters()
+    chunks, plain = worker.encoder.embed_chunks(texts, counted)  # every document encoded, as without the sample
+    got = pq.read_table(next((tmp_path / "vectors").glob("part-*.parquet")))
+    assert got["id"].to_pylist() == [ids[d] for d in chunks.doc.tolist()]  # documents in order, chunks in order
+    for name in ("chunk", "start", "end"):
+        assert got[name].to_pylist() == getattr(chunks, name).tolist()
+    vectors = np.asarray(got["embedding"].to_pylist(), dtype=np.float32)
+    of_held = {text: piece.vectors[piece.chunks["doc"] == i] for i, text in enumerate(held)}
+    sampled = 0
+    for doc, text in enumerate(texts):
+        mine = chunks.doc == doc
+        want = of_held.get(text, plain[mine])
+        sampled += int(mine.sum()) if text in of_held else 0
+        np.testing.assert_allclose(vectors[mine], want, atol=1e-6, err_msg=f"document {doc}")
+    unit = Counters.from_dict(result.counters)
+    assert unit.sampled_rows == sampled > 0 and unit.rows == len(chunks)
+    assert (unit.tokens, unit.tokens_squared, unit.truncated_rows) == (counted.tokens, counted.tokens_squared,
+                                                                       counted.truncated_rows)
+    assert (unit.documents, unit.chunks_max) == (counted.documents, counted.chunks_max) == (100, counted.chunks_max)
 
 
 def test_a_chunked_piece_keeps_documents_whose_chunks_fit_the_rows_asked_the_same_ones_every_time():

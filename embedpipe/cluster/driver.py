@@ -123,7 +123,7 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     Batch invariance makes them the vectors one worker would give for the whole sample. ``timed``: given, it gets
     the sample's rows and the seconds from the ask to the last piece's vectors (the report's ``calibration``,
     with the workers' own start where they were not up yet). ``sample``: given, the sample's texts and its
-    pieces (``SamplePiece``: each row's tokens, the piece's span) are appended to it: ``_kept_sample``, and
+    pieces (``SamplePiece``: what each text cost, the piece's span) are appended to it: ``_kept_sample``, and
     the pieces' spans for the report (``_noted``)."""
     began = time.perf_counter()
     count = min(len(texts), 2 * max(scheduler.workers, 1))
@@ -138,10 +138,10 @@ def _embed_on_workers(scheduler: Scheduler, texts: list[str], *, timed: dict | N
     return np.concatenate([piece.vectors for piece in pieces])
 
 
-def _kept_sample(job: JobSpec, sample: list, units: list[Unit]) -> SampleVectors | None:
+def _kept_sample(sample: list, units: list[Unit]) -> SampleVectors | None:
     """The calibration sample this run fitted (``_embed_on_workers``'s ``sample``), kept for the units' rows it
-    holds when worth it (cluster/sampled.py); None for a run that fitted none, or chunks its documents."""
-    if not sample or job.input.chunking.mode != "off":
+    holds when worth it (cluster/sampled.py); None for a run that fitted none."""
+    if not sample:
         return None
     texts, pieces = sample[0]
     return SampleVectors.kept(texts, pieces, input_rows=sum(u.num_rows for u in units))
@@ -336,7 +336,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
             # in the object store once, for every worker's configure; with the calibration sample's vectors when
             # kept (up to KEEP_BYTES): the units do not embed its rows again
             setup = ray.put(WorkerSetup(output_path=str(output), incremental=incremental, calibration=calibration,
-                                        description=description, sampled=_kept_sample(job, sample, plan.units)))
+                                        description=description, sampled=_kept_sample(sample, plan.units)))
             for _, pieces in sample:  # a worker may end before any unit: its device is known from its pieces
                 for piece in pieces:
                     _noted(piece.span, spans=spans, devices=devices, peaks=peaks, calibration=True)

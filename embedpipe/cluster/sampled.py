@@ -1,18 +1,19 @@
 """The int8/uint8 calibration sample's float vectors, kept for its rows so that no row is embedded twice.
 
-    workers: pieces of the sample -> SamplePiece (vectors, each row's tokens, the piece's counters and times)
+    workers: pieces of the sample -> SamplePiece (vectors, what each text embedded cost, the piece's span)
     driver:  the pieces -> SampleVectors.kept: only when the sample holds a large share of the input, within a byte
              bound -> every worker's WorkerSetup
-    worker:  a unit's texts to encode -> take -> the rows the sample holds take its vectors, and their share of
+    worker:  a unit's texts to encode -> take -> the texts the sample holds take its vectors, and their share of
              what embedding them cost (tokens, padding, stage seconds); the others are encoded
 
-Same text, same vector: the sample's rows were embedded by the run's own encoder, and batch invariance makes a
+Same text, same vectors: the sample's texts were embedded by the run's own encoder, and batch invariance makes a
 row's vector the same whichever batch held it (to fp32 rounding: tests/model_helpers.assert_batch_invariant).
-Rows are matched by their text, so whatever the run's ``input.on_bad_row`` or an incremental night leaves to
-encode finds its vectors. A row taken from the sample counts in its unit as if the unit had encoded it: its real
+Texts are matched as they are, so whatever the run's ``input.on_bad_row`` or an incremental night leaves to
+encode finds its vectors. A text taken from the sample counts in its unit as if the unit had encoded it: its real
 tokens, and its share (by tokens) of its piece's padded tokens and stage seconds; the pieces' own spans on the
-workers' timelines carry their wall time (the report's scaling). Chunked runs (``input.chunking``) keep nothing:
-their rows are chunks, not texts.
+workers' timelines carry their wall time (the report's scaling). With ``input.chunking`` a text is a document and
+has the vectors of its chunks (rows), with their columns; a piece embeds only some of its documents
+(``documents_within``), and only those are kept.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from embedpipe.report.counters import Counters
+from embedpipe.report.counters import Counters, DocumentCost
 
 KEEP_SHARE = 0.05  # kept when the sample holds at least this share of the input's rows (a row's lookup by its text
 # costs ~0.2 µs, its tokenizing alone ~40: docs/performance.md, session 34) ...
@@ -34,9 +35,11 @@ KEEP_BYTES = 256 << 20  # ... and its vectors and texts fit in this many bytes (
 class SamplePiece:
     """One piece of the calibration sample embedded by one worker (``EmbedWorker.embed_sample``)."""
 
-    vectors: np.ndarray  # [n, D] float32: the run's float vectors, before output.dtype ([C, D] chunks: chunked)
-    tokens: np.ndarray | None  # [n] int64: each row's real tokens (None: chunked, never kept)
-    truncated: np.ndarray | None  # [n] bool: the row was cut at max_seq_len (None: chunked)
+    vectors: np.ndarray  # [V, D] float32: the run's float vectors, before output.dtype (one per row: per chunk)
+    size: int  # [n] the texts it was given
+    embedded: np.ndarray  # [E] int64 those it embedded, in order (all of them; chunked: documents_within's)
+    cost: DocumentCost  # [E] what embedding each cost; its ``chunks`` (1 when unchunked) add up to V
+    chunks: dict[str, np.ndarray] | None  # chunked: text.chunking.CHUNK_FIELDS -> [V], "doc" into ``embedded``
     span: Any  # cluster.worker.UnitResult: the piece on its worker's timeline, with the counters of its embedding
 
 
@@ -52,42 +55,59 @@ def documents_within(chunks_per_document: np.ndarray, *, rows: int) -> np.ndarra
 
 @dataclass(frozen=True)
 class SampleVectors:
-    """The calibration sample's texts, the run's float vectors for them, and what embedding each row cost."""
+    """The calibration sample's texts that were embedded, the run's float vectors for them, and what embedding
+    each cost."""
 
     texts: list[str]  # [S] as the input's reader gives them (the prompt is the encoder's)
-    vectors: np.ndarray  # [S, D] float32
+    vectors: np.ndarray  # [V, D] float32: text s has vectors[first[s]:first[s + 1]] (one; chunked: its chunks')
+    first: np.ndarray  # [S + 1] int64
     tokens: np.ndarray  # [S] int64 real tokens
-    truncated: np.ndarray  # [S] bool
+    tokens_squared: np.ndarray  # [S] int64
+    truncated: np.ndarray  # [S] int64 rows cut at max_seq_len
     padded: np.ndarray  # [S] float64: its piece's computed tokens (padding included), shared out by tokens
     seconds: dict[str, np.ndarray]  # stage -> [S] float64: its piece's stage seconds, shared out by tokens
+    chunks: dict[str, np.ndarray] | None  # chunked: CHUNK_FIELDS -> [V], "doc" its text in the sample
 
     @classmethod
     def kept(cls, texts: list[str], pieces: list[SamplePiece], *, input_rows: int) -> SampleVectors | None:
-        """The sample (``texts``, embedded in ``pieces`` in order) worth keeping for the units: it holds
-        ``KEEP_SHARE`` of the input's ``input_rows`` (an input no larger than ``output.calibration_rows`` is all in
-        it) and fits in ``KEEP_BYTES``; else None."""
-        if not texts or len(texts) < KEEP_SHARE * input_rows:
+        """The sample (``texts``, cut in ``pieces`` in order) worth keeping for the units: what it embedded holds
+        ``KEEP_SHARE`` of the input's ``input_rows`` (an unchunked input no larger than ``output.calibration_rows``
+        is all in it) and fits in ``KEEP_BYTES``; else None."""
+        if sum(p.size for p in pieces) != len(texts):
+            raise ValueError(f"the calibration's pieces hold {sum(p.size for p in pieces)} texts, its sample "
+                             f"{len(texts)}: this is embedpipe's bug, report it")
+        starts = np.cumsum([0] + [p.size for p in pieces])
+        held = [texts[start + i] for p, start in zip(pieces, starts.tolist()) for i in p.embedded.tolist()]
+        if not held or len(held) < KEEP_SHARE * input_rows:
             return None
-        size = sum(p.vectors.nbytes for p in pieces) + sum(len(t) for t in texts)  # characters: about the texts' bytes
-        if size > KEEP_BYTES:
+        size = sum(p.vectors.nbytes + sum(c.nbytes for c in (p.chunks or {}).values()) for p in pieces)
+        if size + sum(len(t) for t in held) > KEEP_BYTES:  # characters: about the texts' bytes
             return None
         vectors = np.concatenate([p.vectors for p in pieces])
-        shares = [p.tokens / max(int(p.tokens.sum()), 1) for p in pieces]  # each row's share of its piece
+        shares = [p.cost.tokens / max(int(p.cost.tokens.sum()), 1) for p in pieces]  # each text's share of its piece
         counters = [Counters.from_dict(p.span.counters) for p in pieces]
         stages = sorted({stage for c in counters for stage, seconds in c.stages.items() if seconds})
-        return cls(texts=list(texts), vectors=np.ascontiguousarray(vectors, dtype=np.float32),
-                   tokens=np.concatenate([p.tokens for p in pieces]).astype(np.int64),
-                   truncated=np.concatenate([p.truncated for p in pieces]).astype(bool),
+        joined = lambda name: np.concatenate([getattr(p.cost, name) for p in pieces])  # noqa: E731
+        chunks = None
+        if pieces[0].chunks is not None:
+            texts_before = np.cumsum([0] + [len(p.embedded) for p in pieces])
+            chunks = {name: np.concatenate([p.chunks[name] + (before if name == "doc" else 0)
+                                            for p, before in zip(pieces, texts_before.tolist())])
+                      for name in pieces[0].chunks}
+        return cls(texts=held, vectors=np.ascontiguousarray(vectors, dtype=np.float32),
+                   first=np.concatenate([[0], np.cumsum(joined("chunks"))]).astype(np.int64),
+                   tokens=joined("tokens"), tokens_squared=joined("tokens_squared"), truncated=joined("truncated"),
                    padded=np.concatenate([s * c.padded_tokens for s, c in zip(shares, counters)]),
                    seconds={stage: np.concatenate([s * c.stages.get(stage, 0.0) for s, c in zip(shares, counters)])
-                            for stage in stages})
+                            for stage in stages},
+                   chunks=chunks)
 
     @cached_property
-    def _row_of(self) -> dict[str, int]:  # text -> its row in the sample, built once per worker
+    def _row_of(self) -> dict[str, int]:  # text -> its place in the sample, built once per worker
         return {text: row for row, text in enumerate(self.texts)}
 
     def take(self, texts: list[str]) -> Taken | None:
-        """The rows of ``texts`` that the sample holds (None for none)."""
+        """The texts of ``texts`` that the sample holds (None for none)."""
         row_of = self._row_of
         rows = np.fromiter((row_of.get(t, -1) for t in texts), dtype=np.int64, count=len(texts))  # [N]
         found = rows >= 0
@@ -96,29 +116,55 @@ class SampleVectors:
 
 @dataclass(frozen=True)
 class Taken:
-    """The rows of a unit's texts to encode that the sample holds."""
+    """The texts of a unit's texts to encode that the sample holds."""
 
     found: np.ndarray  # [N] bool over the texts to encode
-    rows: np.ndarray  # [K] their rows in the sample, in order
+    rows: np.ndarray  # [K] their places in the sample, in order
     sample: SampleVectors
+
+    @property
+    def _counts(self) -> np.ndarray:  # [K] vectors of each text taken (1; chunked: its chunks)
+        first = self.sample.first
+        return first[self.rows + 1] - first[self.rows]
+
+    def _vectors(self) -> np.ndarray:  # [V'] the sample's vectors of the texts taken, in order
+        counts, starts = self._counts, self.sample.first[self.rows]
+        return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
 
     def fill(self, encoded: np.ndarray) -> np.ndarray:
         """[N, D] in order: the sample's vectors where found, ``encoded`` [N - K, D] (the other rows) elsewhere."""
         vectors = np.empty((len(self.found), self.sample.vectors.shape[1]), dtype=np.float32)
-        vectors[self.found] = self.sample.vectors[self.rows]
+        vectors[self.found] = self.sample.vectors[self.sample.first[self.rows]]
         vectors[~self.found] = encoded
         return vectors
 
+    def fill_chunks(self, chunks, encoded: np.ndarray):
+        """Chunked: ``chunks`` (text.chunking.Chunks, "doc" into the texts not found) and their vectors [C, D],
+        joined with the chunks and vectors of the texts found: (Chunks, "doc" into all N texts; [C + C', D]), the
+        chunks in no particular order."""
+        from embedpipe.text.chunking import CHUNK_FIELDS, Chunks
+
+        index = self._vectors()  # [C']
+        taken = {name: self.sample.chunks[name][index] for name in CHUNK_FIELDS}
+        taken["doc"] = np.repeat(np.flatnonzero(self.found), self._counts)
+        mine = {name: getattr(chunks, name) for name in CHUNK_FIELDS}
+        mine["doc"] = np.flatnonzero(~self.found)[chunks.doc]
+        joined = Chunks(**{name: np.concatenate([mine[name], taken[name].astype(mine[name].dtype)])
+                           for name in CHUNK_FIELDS})
+        return joined, np.concatenate([encoded, self.sample.vectors[index]])
+
     def count(self, counters: Counters) -> None:
-        """Add the rows to the unit's counters as if it had encoded them (and as ``sampled_rows``)."""
-        s, rows = self.sample, self.rows
-        tokens = s.tokens[rows]  # [K]
-        counters.rows += len(rows)
-        counters.sampled_rows += len(rows)
-        counters.tokens += int(tokens.sum())
-        counters.sampled_tokens += int(tokens.sum())
-        counters.tokens_squared += int((tokens ** 2).sum())
+        """Add the texts to the unit's counters as if it had encoded them (and their rows as ``sampled_rows``)."""
+        s, rows, counts = self.sample, self.rows, self._counts
+        tokens = int(s.tokens[rows].sum())
+        counters.rows += int(counts.sum())
+        counters.sampled_rows += int(counts.sum())
+        counters.tokens += tokens
+        counters.sampled_tokens += tokens
+        counters.tokens_squared += int(s.tokens_squared[rows].sum())
         counters.truncated_rows += int(s.truncated[rows].sum())
         counters.padded_tokens += int(round(float(s.padded[rows].sum())))
         for stage, seconds in s.seconds.items():
             counters.stages[stage] = counters.stages.get(stage, 0.0) + float(seconds[rows].sum())
+        if s.chunks is not None:
+            counters.add_documents(counts)

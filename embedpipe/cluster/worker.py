@@ -24,7 +24,7 @@ from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.cluster.nodes import node_name
 from embedpipe.cluster.sampled import SamplePiece, documents_within
 from embedpipe.config import JobSpec
-from embedpipe.report.counters import Counters
+from embedpipe.report.counters import Counters, DocumentCost
 from embedpipe.report.memory import peak_rss_mb
 from embedpipe.units import Unit
 
@@ -126,27 +126,32 @@ class EmbedWorker:
     def embed_sample(self, texts: list[str]) -> SamplePiece:
         """A piece of the run's int8/uint8 calibration sample embedded by this worker's encoder, before
         ``configure`` (its ranges come from this): float vectors [n, D], as a unit's are before they are stored,
-        each row's tokens, and the piece as a span of this worker's timeline (cluster/sampled.py). With
-        ``input.chunking``, the vectors of chunks [C, D], as the parts store them: all chunks of a subset of the
-        texts that holds about as many chunks as there are texts (``documents_within``), and no per-row tokens (a
-        chunked run keeps no sample)."""
+        what each text cost, and the piece as a span of this worker's timeline (cluster/sampled.py). With
+        ``input.chunking``, the vectors of chunks [C, D], as the parts store them, with their columns: all chunks
+        of a subset of the texts that holds about as many chunks as there are texts (``documents_within``)."""
         # its ranges quantize every part: the driver's code, checked before anything is embedded
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
         import numpy as np
 
+        from embedpipe.text.chunking import CHUNK_FIELDS
+
         self._threads_here()
-        counters, per_row, started = Counters(), [], time.time()
+        counters, costs, started = Counters(), [], time.time()
         if self.encoder.chunker is not None:  # the ranges are of what the parts store: the documents' chunks
             _, chunks = self.encoder.chunker(texts)  # tokenized only: each document's chunks
-            keep = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))  # about as many chunks
-            _, vectors = self.encoder.embed_chunks([texts[i] for i in keep], counters)  # [C, D]; never kept
+            embedded = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))  # about as many chunks
+            chunks, vectors = self.encoder.embed_chunks([texts[i] for i in embedded], counters, per_document=costs)
+            columns = {name: getattr(chunks, name) for name in CHUNK_FIELDS}  # [C] each
         else:
+            per_row: list = []  # each sort window's (tokens [n], truncated [n])
             vectors = self.encoder.embed(texts, counters, per_row=per_row)  # [n, D]
+            embedded, columns = np.arange(len(texts)), None
+            lengths, cut = [np.concatenate(p) for p in zip(*per_row)] if per_row else [np.zeros(0, np.int64)] * 2
+            costs.append(DocumentCost.of([(embedded, lengths, cut)], documents=len(texts),
+                                         chunks=np.ones(len(texts), dtype=np.int64)))  # a row per text
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
-        span = self._result("calibration", counters, started=started)
-        tokens = np.concatenate([lengths for lengths, _ in per_row]) if per_row else None
-        truncated = np.concatenate([cut for _, cut in per_row]) if per_row else None
-        return SamplePiece(vectors=vectors, tokens=tokens, truncated=truncated, span=span)
+        return SamplePiece(vectors=vectors, size=len(texts), embedded=embedded, cost=costs[0], chunks=columns,
+                           span=self._result("calibration", counters, started=started))
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> UnitResult:
         """Encode and write ``unit``; read and tokenize ``ahead`` (the unit the driver gives this worker next)
@@ -264,7 +269,6 @@ class EmbedWorker:
             counters.reused_rows = int(reuse.sum())
         return vectors, {"content_hash": hashes}
 
-
     def _embed_chunks(self, unit_id: str, rows, counters):
         """input.chunking: one row per chunk, (id, chunk) in document then text order; an incremental run hashes
         each whole document and reuses all chunks of an unchanged one (the previous version's rows, found through
@@ -285,7 +289,7 @@ class EmbedWorker:
                         rows.ids, hashes, same_part=self.incremental.same_part.get(unit_id),
                         moved=_table(self.incremental.moved.get(unit_id)))
                     fresh = np.flatnonzero(~reuse)
-        chunks, vectors = self.encoder.embed_chunks([rows.texts[i] for i in fresh], counters)
+        chunks, vectors = self._chunk_vectors([rows.texts[i] for i in fresh], counters)
         doc = fresh[chunks.doc]  # [C] the document (row) of each fresh chunk
         columns = {"chunk": chunks.chunk, "start": chunks.start, "end": chunks.end}
         if self.incremental is not None:
@@ -308,6 +312,17 @@ class EmbedWorker:
         if hashes is not None:
             extra["content_hash"] = hashes.take(pa.array(doc[order]))
         return rows.ids.take(pa.array(doc[order])), vectors[order], extra, doc[order]
+
+    def _chunk_vectors(self, texts: list[str], counters: Counters):
+        """input.chunking: the chunks of ``texts`` and their float vectors [C, D]: encoded now, or the calibration
+        sample's for the documents it holds (their chunks then come last)."""
+        taken = self.sampled.take(texts) if self.sampled is not None else None
+        if taken is None:
+            return self.encoder.embed_chunks(texts, counters)
+        chunks, encoded = self.encoder.embed_chunks([t for t, found in zip(texts, taken.found.tolist()) if not found],
+                                                    counters)
+        taken.count(counters)
+        return taken.fill_chunks(chunks, encoded)
 
 
 def _table(moved):

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator
 
+import numpy as np
+
 STAGES = ("read", "tokenize", "pack", "encode", "write")
 
 
@@ -61,3 +63,29 @@ class Counters:
     def from_dict(cls, data: dict) -> "Counters":
         known = {f.name for f in fields(cls)}
         return cls(**{k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class DocumentCost:
+    """What embedding each of a list of documents [N] cost, summed over its sequences (``embed_chunks``)."""
+
+    tokens: np.ndarray  # [N] int64 real tokens of its sequences (its chunks; late: its windows)
+    tokens_squared: np.ndarray  # [N] int64 sum of their squares
+    truncated: np.ndarray  # [N] int64 of its sequences cut at max_seq_len
+    chunks: np.ndarray  # [N] int64 its chunks: its rows
+
+    @classmethod
+    def of(cls, sequences: list, *, documents: int, chunks: np.ndarray) -> "DocumentCost":
+        """From (document [n], tokens [n], truncated [n]) of every sequence embedded, in any grouping."""
+        def joined(i: int) -> np.ndarray:  # [S] over all sequences
+            return np.concatenate([np.asarray(s[i], dtype=np.int64) for s in sequences] or [np.zeros(0, np.int64)])
+
+        doc, lengths, cut = joined(0), joined(1), joined(2)
+
+        def total(values: np.ndarray) -> np.ndarray:  # [N] per document
+            out = np.zeros(documents, dtype=np.int64)
+            np.add.at(out, doc, values)
+            return out
+
+        return cls(tokens=total(lengths), tokens_squared=total(lengths ** 2), truncated=total(cut),
+                   chunks=np.asarray(chunks, dtype=np.int64))

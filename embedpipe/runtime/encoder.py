@@ -17,7 +17,7 @@ from embedpipe.models import load_model
 from embedpipe.models.defaults import effective_max_seq_len
 from embedpipe.models.resolve import resolve_model_path
 from embedpipe.models.st import resolve_prompt
-from embedpipe.report.counters import Counters
+from embedpipe.report.counters import Counters, DocumentCost
 from embedpipe.runtime.cpu import keep_freed_memory, padded_rows, place_linears
 from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.prefetch import Prefetcher
@@ -151,29 +151,40 @@ class Encoder:
         counters.rows += len(texts)
         return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
 
-    def embed_chunks(self, texts: list[str], counters: Counters | None = None) -> tuple[Chunks, np.ndarray]:
+    def embed_chunks(self, texts: list[str], counters: Counters | None = None, *,
+                     per_document: list | None = None) -> tuple[Chunks, np.ndarray]:
         """Documents to chunks (embedpipe/text/chunking.py, ``input.chunking``) and one vector per chunk [C, D]
-        float32, documents in input order, chunks in text order; each chunk's vector is that of its text."""
+        float32, documents in input order, chunks in text order; each chunk's vector is that of its text.
+        ``per_document``: given, what each document cost is appended, as ``DocumentCost``."""
         if self.chunker is None:
             raise ValueError("embed_chunks needs input.chunking.mode split or late")
         counters = counters if counters is not None else Counters()
+        sequences: list = []  # (document [n], tokens [n], truncated [n]) of each sort window's sequences
         if self.late is not None:
-            chunks, vectors = self.late(texts, counters)
-            counters.rows += len(chunks)
-            counters.add_documents(chunks.per_document_of(len(texts)))
-            return chunks, vectors
-        plans: list[Chunks] = []
+            windows: list = []
+            chunks, vectors = self.late(texts, counters, per_window=windows)
+            sequences = [(doc, lengths, np.zeros(len(doc), dtype=bool)) for doc, lengths in windows]
+        else:
+            plans: list[Chunks] = []
 
-        def tokenize(window: list[str]):  # prefetch thread
-            docs, chunks = self.chunker(window)
-            plans.append(chunks)
-            return self.chunker.framed(docs, chunks)
+            def tokenize(window: list[str]):  # prefetch thread
+                docs, chunks = self.chunker(window)
+                plans.append(chunks)
+                return self.chunker.framed(docs, chunks)
 
-        vectors = self._encode(texts, counters, tokenize)
-        chunks = concat_chunks(plans, offsets=range(0, len(texts), self.batching.sort_window))
+            per_row: list = []
+            outs = self._encode(texts, counters, tokenize, per_row=per_row)
+            chunks = concat_chunks(plans, offsets=range(0, len(texts), self.batching.sort_window))
+            vectors = np.concatenate(outs) if outs else np.empty((0, self.dim), dtype=np.float32)
+            if per_row:  # one sequence per chunk, in the chunks' order
+                sequences = [(chunks.doc, np.concatenate([n for n, _ in per_row]),
+                              np.concatenate([cut for _, cut in per_row]))]
         counters.rows += len(chunks)
         counters.add_documents(chunks.per_document_of(len(texts)))
-        return chunks, (np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32))
+        if per_document is not None:
+            per_document.append(DocumentCost.of(sequences, documents=len(texts),
+                                                chunks=chunks.per_document_of(len(texts))))
+        return chunks, vectors
 
     def _encode(self, texts: list[str], counters: Counters, tokenize, *,
                 prepared: list[Window] | None = None, per_row: list | None = None) -> list[np.ndarray]:

@@ -30,7 +30,10 @@ class LatePooler:
         self.budget = context - chunker.tokenizer.framing  # text tokens per window
         self.lead = len(chunker.tokenizer.prefix) + len(chunker.tokenizer.prompt_ids)  # tokens before the text
 
-    def __call__(self, texts: list[str], counters: Counters) -> tuple[Chunks, np.ndarray]:
+    def __call__(self, texts: list[str], counters: Counters, *,
+                 per_window: list | None = None) -> tuple[Chunks, np.ndarray]:
+        """``per_window``: given, each sort window's (document [W] into ``texts``, tokens [W]) of its forward
+        passes is appended."""
         plans, outs = [], []
         for start in range(0, len(texts), self.sort_window):
             with counters.time("tokenize"):
@@ -46,6 +49,8 @@ class LatePooler:
                     counters.padded_tokens += batch.num_tokens
             counters.tokens += int(tok.lengths.sum())
             counters.tokens_squared += int((tok.lengths ** 2).sum())
+            if per_window is not None:
+                per_window.append((windows.doc + start, tok.lengths))
             plans.append(chunks)
             outs.append(out)
         chunks = concat_chunks(plans, offsets=range(0, len(texts), self.sort_window))
