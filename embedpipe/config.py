@@ -239,7 +239,8 @@ class OutputConfig:
                                         "binary/ubinary pack the bits `x > 0` (dim/8 bytes; binary subtracts 128).")
     calibration_rows: int = opt(10_000, "int8/uint8: rows sampled uniformly (seeded) over the whole input to calibrate "
                                         "the ranges. When the sample holds a large share of the input (all of an input no "
-                                        "larger than this), its rows are not embedded again: the units take its vectors.")
+                                        "larger than this), its rows are not embedded again: the units take its vectors (with "
+                                        "input.chunking, the chunk vectors of the sampled documents it embedded).")
     calibration_seed: int = opt(0, "Seed of the calibration sample.")
     document_vectors: Literal["none", "mean"] = opt(
         "none", "input.chunking on: mean also writes one vector per document, the normalised mean of its chunks' "
