@@ -24,7 +24,7 @@ from embedpipe.cluster.modelship import ShippedModel, job_on_node
 from embedpipe.cluster.nodes import node_name
 from embedpipe.cluster.sampled import SamplePiece, documents_within
 from embedpipe.config import JobSpec
-from embedpipe.report.counters import Counters, DocumentCost
+from embedpipe.report.counters import Counters
 from embedpipe.report.memory import peak_rss_mb
 from embedpipe.units import Unit
 
@@ -143,12 +143,8 @@ class EmbedWorker:
             chunks, vectors = self.encoder.embed_chunks([texts[i] for i in embedded], counters, per_document=costs)
             columns = {name: getattr(chunks, name) for name in CHUNK_FIELDS}  # [C] each
         else:
-            per_row: list = []  # each sort window's (tokens [n], truncated [n])
-            vectors = self.encoder.embed(texts, counters, per_row=per_row)  # [n, D]
+            vectors = self.encoder.embed(texts, counters, per_document=costs)  # [n, D]
             embedded, columns = np.arange(len(texts)), None
-            lengths, cut = [np.concatenate(p) for p in zip(*per_row)] if per_row else [np.zeros(0, np.int64)] * 2
-            costs.append(DocumentCost.of([(embedded, lengths, cut)], documents=len(texts),
-                                         chunks=np.ones(len(texts), dtype=np.int64)))  # a row per text
         counters.rows = 0  # the sample's rows are the units' (those the units take count there)
         return SamplePiece(vectors=vectors, size=len(texts), embedded=embedded, cost=costs[0], chunks=columns,
                            span=self._result("calibration", counters, started=started))

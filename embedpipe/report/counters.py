@@ -75,17 +75,15 @@ class DocumentCost:
     chunks: np.ndarray  # [N] int64 its chunks: its rows
 
     @classmethod
-    def of(cls, sequences: list, *, documents: int, chunks: np.ndarray) -> "DocumentCost":
-        """From (document [n], tokens [n], truncated [n]) of every sequence embedded, in any grouping."""
-        def joined(i: int) -> np.ndarray:  # [S] over all sequences
-            return np.concatenate([np.asarray(s[i], dtype=np.int64) for s in sequences] or [np.zeros(0, np.int64)])
-
-        doc, lengths, cut = joined(0), joined(1), joined(2)
+    def of(cls, *, doc: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, chunks: np.ndarray) -> "DocumentCost":
+        """From every sequence embedded [S]: its document ``doc``, its real tokens, whether it was truncated; and
+        each document's ``chunks`` [N]."""
+        doc, lengths = np.asarray(doc, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
 
         def total(values: np.ndarray) -> np.ndarray:  # [N] per document
-            out = np.zeros(documents, dtype=np.int64)
-            np.add.at(out, doc, values)
+            out = np.zeros(len(chunks), dtype=np.int64)
+            np.add.at(out, doc, np.asarray(values, dtype=np.int64))
             return out
 
-        return cls(tokens=total(lengths), tokens_squared=total(lengths ** 2), truncated=total(cut),
+        return cls(tokens=total(lengths), tokens_squared=total(lengths ** 2), truncated=total(truncated),
                    chunks=np.asarray(chunks, dtype=np.int64))

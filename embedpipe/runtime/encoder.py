@@ -137,18 +137,21 @@ class Encoder:
             return start, tok, self.packer(tok)
 
     def embed(self, texts: list[str], counters: Counters | None = None, *,
-              prepared: list[Window] | None = None, per_row: list | None = None) -> np.ndarray:
+              prepared: list[Window] | None = None, per_document: list | None = None) -> np.ndarray:
         """Texts to vectors [N, D] float32, in input order.
 
         A prefetch thread tokenizes and packs one sort window ahead while the runner encodes
         (the packer sorts within windows, so the batches are those of the whole list); results
         are read back as they complete. Stage times overlap: tokenize + pack + encode > wall.
         ``prepared``: ``prepare(texts)``'s windows, when the caller tokenized them already.
-        ``per_row``: given, each window's (real tokens [n], truncated [n]) is appended, windows in input order.
+        ``per_document``: given, what each text cost is appended, as ``DocumentCost`` (a row each).
         """
         counters = counters if counters is not None else Counters()
-        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared, per_row=per_row)
+        sequences: list = []  # each sort window's (real tokens [n], truncated [n])
+        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared, per_row=sequences)
         counters.rows += len(texts)
+        if per_document is not None:
+            per_document.append(_cost(sequences, doc=np.arange(len(texts)), chunks=np.ones(len(texts), np.int64)))
         return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
 
     def embed_chunks(self, texts: list[str], counters: Counters | None = None, *,
@@ -159,11 +162,12 @@ class Encoder:
         if self.chunker is None:
             raise ValueError("embed_chunks needs input.chunking.mode split or late")
         counters = counters if counters is not None else Counters()
-        sequences: list = []  # (document [n], tokens [n], truncated [n]) of each sort window's sequences
+        sequences: list = []  # each sort window's (real tokens [n], truncated [n]): a chunk each; late: a window
         if self.late is not None:
-            windows: list = []
+            windows: list = []  # each sort window's (document [W], tokens [W])
             chunks, vectors = self.late(texts, counters, per_window=windows)
-            sequences = [(doc, lengths, np.zeros(len(doc), dtype=bool)) for doc, lengths in windows]
+            sequences = [(lengths, np.zeros(len(lengths), dtype=bool)) for _, lengths in windows]
+            doc = np.concatenate([d for d, _ in windows]) if windows else np.zeros(0, np.int64)
         else:
             plans: list[Chunks] = []
 
@@ -172,18 +176,15 @@ class Encoder:
                 plans.append(chunks)
                 return self.chunker.framed(docs, chunks)
 
-            per_row: list = []
-            outs = self._encode(texts, counters, tokenize, per_row=per_row)
+            outs = self._encode(texts, counters, tokenize, per_row=sequences)
             chunks = concat_chunks(plans, offsets=range(0, len(texts), self.batching.sort_window))
             vectors = np.concatenate(outs) if outs else np.empty((0, self.dim), dtype=np.float32)
-            if per_row:  # one sequence per chunk, in the chunks' order
-                sequences = [(chunks.doc, np.concatenate([n for n, _ in per_row]),
-                              np.concatenate([cut for _, cut in per_row]))]
+            doc = chunks.doc
+        per = chunks.per_document_of(len(texts))
         counters.rows += len(chunks)
-        counters.add_documents(chunks.per_document_of(len(texts)))
+        counters.add_documents(per)
         if per_document is not None:
-            per_document.append(DocumentCost.of(sequences, documents=len(texts),
-                                                chunks=chunks.per_document_of(len(texts))))
+            per_document.append(_cost(sequences, doc=doc, chunks=per))
         return chunks, vectors
 
     def _encode(self, texts: list[str], counters: Counters, tokenize, *,
@@ -216,3 +217,11 @@ class Encoder:
                     per_row.append((tok.lengths, tok.truncated))
             collect(force=True)
         return outs
+
+
+def _cost(sequences: list, *, doc: np.ndarray, chunks: np.ndarray) -> DocumentCost:
+    """What each of N documents cost: ``sequences``, (real tokens [n], truncated [n]) of consecutive groups of the
+    sequences embedded, ``doc`` [S] the document of each, ``chunks`` [N] the rows of each."""
+    lengths = np.concatenate([n for n, _ in sequences]) if sequences else np.zeros(0, np.int64)
+    cut = np.concatenate([c for _, c in sequences]) if sequences else np.zeros(0, bool)
+    return DocumentCost.of(doc=doc, lengths=lengths, truncated=cut, chunks=chunks)
