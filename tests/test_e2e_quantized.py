@@ -74,11 +74,15 @@ def test_int8_two_workers_share_one_calibration(tmp_path, quickstart_table, ray_
     assert report["calibration"]["rows_kept"] >= 150
 
 
-def test_chunked_int8_fits_its_ranges_on_chunk_vectors_and_keeps_them(tmp_path, quickstart_table, ray_session):
+@pytest.mark.parametrize("incremental", [False, True], ids=["plain", "incremental"])
+def test_chunked_int8_fits_its_ranges_on_chunk_vectors_and_keeps_them(tmp_path, quickstart_table, ray_session,
+                                                                        incremental):
     """input.chunking split with int8 through the CLI: the ranges are those of the sampled documents' chunk
     vectors (each piece's ``documents_within``), the units take those documents' chunks instead of embedding them
-    again, and the stored bytes and the report are as if every document had been embedded by its unit."""
+    again, and the stored bytes and the report are as if every document had been embedded by its unit. An
+    incremental output's first night too (its units hash each document and store before they write)."""
     from embedpipe.cluster.sampled import documents_within
+    from embedpipe.versions import current_path
 
     table = quickstart_table.slice(0, 300)
     folder = tmp_path / "corpus"
@@ -87,10 +91,11 @@ def test_chunked_int8_fits_its_ranges_on_chunk_vectors_and_keeps_them(tmp_path, 
                     input={"path": str(folder), "unit_rows": 100, "chunking": {"mode": "split", "max_tokens": 32}},
                     model={"path": "sentence-transformers/all-MiniLM-L6-v2"},
                     output={"path": str(tmp_path / "out"), "dtype": "int8", "calibration_rows": 200,
-                            "calibration_seed": 3},
+                            "calibration_seed": 3, "versioned": incremental, "incremental": incremental},
                     cluster={"workers": 2, "cpus_per_worker": 1})
     result = CliRunner().invoke(app, ["run", str(job), "--no-progress"])
     assert result.exit_code == 0, result.output
+    out_dir = current_path(tmp_path / "out") if incremental else tmp_path / "out"
 
     encoder = Encoder.from_job(load_job(job))  # the run's own, chunking included
     units = plan_units(list_files(str(folder)), unit_rows=100)
@@ -103,13 +108,13 @@ def test_chunked_int8_fits_its_ranges_on_chunk_vectors_and_keeps_them(tmp_path, 
         held += [piece[i] for i in keep]
         fitted.append(encoder.embed_chunks([piece[i] for i in keep])[1])
     fitted = np.concatenate(fitted)
-    record = json.loads((tmp_path / "out" / "quantization.json").read_text())
+    record = json.loads((out_dir / "quantization.json").read_text())
     calibration = Calibration(**record["calibration"])
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report = json.loads((out_dir / "report.json").read_text())
     assert calibration.rows == report["calibration"]["rows"] == len(fitted) <= 200
     np.testing.assert_allclose(calibration.ranges_array, np.vstack([fitted.min(0), fitted.max(0)]), atol=1e-6)
 
-    out = pq.read_table(sorted((tmp_path / "out" / "vectors").glob("part-*.parquet")))
+    out = pq.read_table(sorted((out_dir / "vectors").glob("part-*.parquet")))
     counted = Counters()
     chunks, floats = encoder.embed_chunks(table["text"].to_pylist(), counted)  # every document, in input order
     assert out["id"].to_pylist() == table["id"].take(pa.array(chunks.doc)).to_pylist()
