@@ -92,7 +92,7 @@ def cli_run(*, tree: Path, out: Path, overrides: list[str]) -> dict:
             "busy_cpu_s": used["busy"] - cpu["busy"], "idle_cpu_s": used["idle"] - cpu["idle"],
             "stolen_cpu_s": used["stolen"] - cpu["stolen"],
             "unit_s": report["scaling_efficiency"] * len(report["per_worker"]) * report["wall_seconds"],
-            "idle_by_second": idle}
+            "idle_by_step": idle}
 
 
 def main() -> int:
@@ -131,7 +131,7 @@ def main() -> int:
     print(f"\nThe machine's idle CPU-seconds in each {BIN_S} s of each tree's first command (of "
           f"{os.cpu_count() * BIN_S:.1f}; the last step partial):")
     for name, rs in runs.items():
-        print(f"{name}: " + " ".join(f"{v:.1f}" for v in rs[0]["idle_by_second"]))
+        print(f"{name}: " + " ".join(f"{v:.1f}" for v in rs[0]["idle_by_step"]))
     return 0
 
 
