@@ -1,6 +1,6 @@
 """The int8/uint8 calibration sample's vectors kept for its rows (cluster/sampled.py): when they are kept, how rows
 find them by text and what they count in their unit, and a worker that writes them for those rows instead of
-embedding the rows again."""
+embedding the rows again; with input.chunking (split and late), the chunks of the documents the sample holds."""
 
 from __future__ import annotations
 
