@@ -301,7 +301,7 @@ def _run_once(job: JobSpec, plan: RunPlan, *, progress: bool, overwrite: bool, i
     finished = done  # the units with a record once the scheduler is through (this run's added below)
     diff = None  # the incremental diff's report section, when there was a previous version to look in
     fitted: dict = {}  # the int8/uint8 calibration's report section, when this run fitted one: its rows, seconds
-    sample: list = []  # and its sample: texts and pieces (their vectors, each row's tokens, their spans)
+    sample: list = []  # and its sample: texts and pieces (their vectors, what each text cost, their spans)
     if todo:
         started_ray = connect(job.cluster) or owned
         try:
