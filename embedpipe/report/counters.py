@@ -67,12 +67,13 @@ class Counters:
 
 @dataclass(frozen=True)
 class DocumentCost:
-    """What embedding each of a list of documents [N] cost, summed over its sequences (``embed_chunks``)."""
+    """What embedding each of a list of texts [N] cost, summed over its sequences (``Encoder.embed``: one each;
+    ``Encoder.embed_chunks``: a document's chunks, or with late chunking its windows)."""
 
-    tokens: np.ndarray  # [N] int64 real tokens of its sequences (its chunks; late: its windows)
+    tokens: np.ndarray  # [N] int64 real tokens of its sequences
     tokens_squared: np.ndarray  # [N] int64 sum of their squares
     truncated: np.ndarray  # [N] int64 of its sequences cut at max_seq_len
-    chunks: np.ndarray  # [N] int64 its chunks: its rows
+    chunks: np.ndarray  # [N] int64 its rows: 1, or a document's chunks
 
     @classmethod
     def of(cls, *, doc: np.ndarray, lengths: np.ndarray, truncated: np.ndarray, chunks: np.ndarray) -> "DocumentCost":
