@@ -66,7 +66,7 @@ class SampleVectors:
     truncated: np.ndarray  # [S] int64 rows cut at max_seq_len
     padded: np.ndarray  # [S] float64: its piece's computed tokens (padding included), shared out by tokens
     seconds: dict[str, np.ndarray]  # stage -> [S] float64: its piece's stage seconds, shared out by tokens
-    chunks: dict[str, np.ndarray] | None  # chunked: CHUNK_FIELDS -> [V], "doc" its text in the sample
+    chunks: dict[str, np.ndarray] | None  # chunked: CHUNK_FIELDS but "doc" -> [V] (a text's chunks: ``first``)
 
     @classmethod
     def kept(cls, texts: list[str], pieces: list[SamplePiece], *, input_rows: int) -> SampleVectors | None:
@@ -89,11 +89,9 @@ class SampleVectors:
         stages = sorted({stage for c in counters for stage, seconds in c.stages.items() if seconds})
         joined = lambda name: np.concatenate([getattr(p.cost, name) for p in pieces])  # noqa: E731
         chunks = None
-        if pieces[0].chunks is not None:
-            texts_before = np.cumsum([0] + [len(p.embedded) for p in pieces])
-            chunks = {name: np.concatenate([p.chunks[name] + (before if name == "doc" else 0)
-                                            for p, before in zip(pieces, texts_before.tolist())])
-                      for name in pieces[0].chunks}
+        if pieces[0].chunks is not None:  # in the texts' order: a text's chunks are found through ``first``
+            chunks = {name: np.concatenate([p.chunks[name] for p in pieces]) for name in pieces[0].chunks
+                      if name != "doc"}
         return cls(texts=held, vectors=np.ascontiguousarray(vectors, dtype=np.float32),
                    first=np.concatenate([[0], np.cumsum(joined("chunks"))]).astype(np.int64),
                    tokens=joined("tokens"), tokens_squared=joined("tokens_squared"), truncated=joined("truncated"),
@@ -131,6 +129,10 @@ class Taken:
         counts, starts = self._counts, self.sample.first[self.rows]
         return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
 
+    def others(self, texts: list[str]) -> list[str]:
+        """The texts (the ``texts`` this was taken from) that the sample does not hold: those left to encode."""
+        return [text for text, found in zip(texts, self.found.tolist()) if not found]
+
     def fill(self, encoded: np.ndarray) -> np.ndarray:
         """[N, D] in order: the sample's vectors where found, ``encoded`` [N - K, D] (the other rows) elsewhere."""
         vectors = np.empty((len(self.found), self.sample.vectors.shape[1]), dtype=np.float32)
@@ -145,7 +147,7 @@ class Taken:
         from embedpipe.text.chunking import CHUNK_FIELDS, Chunks
 
         index = self._vectors()  # [C']
-        taken = {name: self.sample.chunks[name][index] for name in CHUNK_FIELDS}
+        taken = {name: self.sample.chunks[name][index] for name in CHUNK_FIELDS if name != "doc"}
         taken["doc"] = np.repeat(np.flatnonzero(self.found), self._counts)
         mine = {name: getattr(chunks, name) for name in CHUNK_FIELDS}
         mine["doc"] = np.flatnonzero(~self.found)[chunks.doc]

@@ -183,7 +183,7 @@ class EmbedWorker:
             texts = [rows.texts[i] for i in fresh]
         sampled = self.sampled.take(texts) if self.sampled is not None else None
         if sampled is not None:  # the calibration embedded these rows already
-            texts = [text for text, found in zip(texts, sampled.found.tolist()) if not found]
+            texts = sampled.others(texts)
         return counters, _Ahead(rows=rows, texts=texts, windows=self.encoder.prepare(texts, counters), fresh=fresh,
                                 reuse=reuse, sampled=sampled)
 
@@ -315,8 +315,7 @@ class EmbedWorker:
         taken = self.sampled.take(texts) if self.sampled is not None else None
         if taken is None:
             return self.encoder.embed_chunks(texts, counters)
-        chunks, encoded = self.encoder.embed_chunks([t for t, found in zip(texts, taken.found.tolist()) if not found],
-                                                    counters)
+        chunks, encoded = self.encoder.embed_chunks(taken.others(texts), counters)
         taken.count(counters)
         return taken.fill_chunks(chunks, encoded)
 
