@@ -30,3 +30,28 @@ def test_png_is_valid(tmp_path):
     height, width, channels = imread(path).shape
     assert width > height > 100 and channels in (3, 4)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_image_is_drawn_from_the_figures_inputs_alone(tmp_path):
+    import io
+
+    from embedpipe.report.plot import figure_inputs
+
+    report = {**sample_report(workers=2), "runs": [{"id": "r1"}], "output": {"rows": 5000}}
+    drawn = io.BytesIO()
+    build_figure(report).savefig(drawn, format="png", dpi=100)
+    assert write_plot(report, tmp_path / "report.png").read_bytes() == drawn.getvalue()
+    assert set(figure_inputs(report)) < set(report)  # the runs and their sums are not drawn
+
+
+def test_a_report_that_differs_only_where_the_figure_does_not_draw_is_not_drawn_again(tmp_path):
+    from embedpipe.report.plot import _png
+
+    run = sample_report(workers=2)
+    first = write_plot(run, tmp_path / "run.png").read_bytes()
+    drawn = _png.cache_info().misses
+    output = {**run, "runs": [{"id": "r1"}], "output": {"rows": 5000}, "version": {"run_id": "v"}}
+    assert write_plot(output, tmp_path / "output.png").read_bytes() == first
+    assert _png.cache_info().misses == drawn
+    slower = write_plot({**run, "wall_seconds": run["wall_seconds"] * 2}, tmp_path / "slower.png").read_bytes()
+    assert _png.cache_info().misses == drawn + 1 and slower != first

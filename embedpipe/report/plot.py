@@ -3,15 +3,25 @@
 A worker's line steps up to the unit's tokens / unit wall time while it processes a unit and
 drops to zero in the gaps between units (waiting for the driver, start-up, the idle tail).
 Matplotlib is imported here only, through its object API (no pyplot state, no display needed).
+
+A run writes the same image two or three times (its own report's, then its output's, which differ only in what the
+figure does not draw): the last image drawn is kept, by what it was drawn from, and written again as it is.
 """
 
 from __future__ import annotations
 
+import io
+import json
+from functools import lru_cache
 from pathlib import Path
 
-from embedpipe.io.layout import atomic_path
+from embedpipe.io.layout import atomic_write_bytes
 from embedpipe.io.store import tree_path
 from embedpipe.report.render import headline, stage_names
+
+# What the figure reads of a report (build_figure and its headline); write_plot draws it from these alone.
+FIGURE_KEYS = ("job", "rows", "tokens", "wall_seconds", "timeline_seconds", "workers", "rows_per_second",
+               "tokens_per_second", "mfu", "cost", "per_worker", "stages")
 
 
 def worker_line(timeline: list[list[float]]) -> tuple[list[float], list[float]]:
@@ -54,8 +64,18 @@ def build_figure(report: dict):
     return fig
 
 
+def figure_inputs(report: dict) -> dict:
+    """The part of ``report`` the figure draws (FIGURE_KEYS): two reports that agree on it draw the same image."""
+    return {key: report[key] for key in FIGURE_KEYS if key in report}
+
+
 def write_plot(report: dict, path: str | Path) -> Path:
-    path = tree_path(path)
-    with atomic_path(path) as tmp:
-        build_figure(report).savefig(tmp, format="png", dpi=100)
-    return path
+    return atomic_write_bytes(tree_path(path), _png(json.dumps(figure_inputs(report), sort_keys=True)))
+
+
+@lru_cache(maxsize=1)
+def _png(inputs: str) -> bytes:
+    """The PNG of the figure drawn from ``inputs`` (figure_inputs as JSON, the report's own form) and nothing else."""
+    png = io.BytesIO()
+    build_figure(json.loads(inputs)).savefig(png, format="png", dpi=100)
+    return png.getvalue()
