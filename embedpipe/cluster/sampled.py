@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from embedpipe.report.counters import Counters, DocumentCost
+from embedpipe.text.ranges import bounds, ranges
 
 KEEP_SHARE = 0.05  # kept when the sample holds at least this share of the input's rows (a row's lookup by its text
 # costs ~0.2 µs, its tokenizing alone ~40: docs/performance.md, session 34) ...
@@ -93,7 +94,7 @@ class SampleVectors:
             chunks = {name: np.concatenate([p.chunks[name] for p in pieces]) for name in pieces[0].chunks
                       if name != "doc"}
         return cls(texts=held, vectors=np.ascontiguousarray(vectors, dtype=np.float32),
-                   first=np.concatenate([[0], np.cumsum(joined("chunks"))]).astype(np.int64),
+                   first=bounds(joined("chunks")),
                    tokens=joined("tokens"), tokens_squared=joined("tokens_squared"), truncated=joined("truncated"),
                    padded=np.concatenate([s * c.padded_tokens for s, c in zip(shares, counters)]),
                    seconds={stage: np.concatenate([s * c.stages.get(stage, 0.0) for s, c in zip(shares, counters)])
@@ -126,8 +127,7 @@ class Taken:
         return first[self.rows + 1] - first[self.rows]
 
     def _vectors(self) -> np.ndarray:  # [V'] the sample's vectors of the texts taken, in order
-        counts, starts = self._counts, self.sample.first[self.rows]
-        return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        return ranges(self.sample.first[self.rows], self._counts)
 
     def others(self, texts: list[str]) -> list[str]:
         """The texts (the ``texts`` this was taken from) that the sample does not hold: those left to encode."""

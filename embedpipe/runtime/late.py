@@ -17,6 +17,7 @@ import torch
 
 from embedpipe.report.counters import Counters
 from embedpipe.text.chunking import Chunker, Chunks, concat_chunks, frame_spans, plan_windows
+from embedpipe.text.ranges import bounds, ranges
 
 
 class LatePooler:
@@ -73,7 +74,7 @@ class LatePooler:
         empty = end == start  # an empty document: its whole sequence
         start, end = np.where(empty, begin, start), np.where(empty, finish, end)
         lengths = end - start
-        rows = np.repeat(start - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))  # [R]
-        span_cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)).to(dev)
+        rows = ranges(start, lengths)  # [R]
+        span_cu = torch.from_numpy(bounds(lengths).astype(np.int32)).to(dev)  # [S+1]
         vectors = self.head(hidden[torch.from_numpy(rows).to(dev)], span_cu)  # [S, D]
         out[sel] = vectors.to("cpu", torch.float32).numpy()

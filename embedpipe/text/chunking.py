@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embedpipe.text.ranges import within
 from embedpipe.text.tokenizer import DocumentTokens, TextTokenizer, Tokenized
 
 SENTENCE, LINE, SPACE, EDGE, MID = 3, 2, 1, 0, -1  # boundary ranks, best first
@@ -81,7 +82,7 @@ class Chunker:
         counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
         pairs = np.asarray([p for s in spans for p in s], dtype=np.int64).reshape(-1, 2)  # [C, 2]
         doc = np.repeat(np.arange(len(texts), dtype=np.int64), counts)
-        chunk = (np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)).astype(np.int32)
+        chunk = within(counts).astype(np.int32)
         start = np.empty(len(doc), dtype=np.int64)
         end = np.empty(len(doc), dtype=np.int64)
         for i, (d, (first, stop)) in enumerate(zip(doc.tolist(), pairs.tolist())):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embedpipe.text.ranges import bounds, within
 from embedpipe.text.tokenizer import Tokenized
 
 
@@ -65,10 +66,8 @@ class TokenPacker:
     @staticmethod
     def _gather(tok: Tokenized, starts: np.ndarray, rows: np.ndarray) -> Batch:
         lengths = tok.lengths[rows]  # [B]
-        cu = np.zeros(rows.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])  # [B+1]
-        total = int(cu[-1])
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lengths)  # [T]
+        cu = bounds(lengths)  # [B+1]
+        positions = within(lengths)  # [T]
         source = np.repeat(starts[rows], lengths) + positions  # [T] index into tok.ids
         return Batch(
             input_ids=torch.from_numpy(tok.ids[source]),

@@ -10,6 +10,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.normalizers import Lowercase, Sequence
 
+from embedpipe.text.ranges import bounds
+
 
 @dataclass
 class Tokenized:
@@ -19,7 +21,7 @@ class Tokenized:
 
     @property
     def starts(self) -> np.ndarray:  # [N] offset of each sequence in ids
-        return np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        return bounds(self.lengths)[:-1]
 
 
 @dataclass
