@@ -77,7 +77,7 @@ class SampleVectors:
         if sum(p.size for p in pieces) != len(texts):
             raise ValueError(f"the calibration's pieces hold {sum(p.size for p in pieces)} texts, its sample "
                              f"{len(texts)}: this is embedpipe's bug, report it")
-        starts = np.cumsum([0] + [p.size for p in pieces])
+        starts = bounds(np.array([p.size for p in pieces], dtype=np.int64))
         held = [texts[start + i] for p, start in zip(pieces, starts.tolist()) for i in p.embedded.tolist()]
         if not held or len(held) < KEEP_SHARE * input_rows:
             return None

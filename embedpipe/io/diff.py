@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from embedpipe.io import fs
 from embedpipe.report.memory import peak_rss_mb
+from embedpipe.text.ranges import within
 from embedpipe.units import Unit
 
 MAP_UNITS = 32  # units per map task: (map tasks x buckets) Ray objects stay under ~40k at 10^4 units
@@ -212,7 +213,7 @@ def _hash64(ids: pa.Array) -> np.ndarray:
         data = np.frombuffer(b.buffers()[2], dtype=np.uint8) if b.buffers()[2] is not None else np.zeros(0, np.uint8)
         rel, data = offsets - offsets[0], data[offsets[0]:offsets[-1]].astype(np.uint64)
         lengths = np.diff(rel)
-        position = np.arange(len(data)) - np.repeat(rel[:-1], lengths)
+        position = within(lengths)  # [bytes] each byte's place in its id
         powers = np.cumprod(np.full(int(lengths.max(initial=0)) + 1, 0x100000001B3, np.uint64))  # FNV prime^k
         h = lengths.astype(np.uint64)
         nonempty = lengths > 0

@@ -25,6 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from embedpipe.io.fs import arrow_filesystem
+from embedpipe.text.ranges import bounds
 
 HASH_BYTES = 16
 
@@ -108,10 +109,10 @@ class PreviousVectors:
         source = self.files[part] if self.filesystem is None else self.filesystem.open_input_file(self.files[part])
         with pq.ParquetFile(source) as pf:
             sizes = np.array([pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
-            starts = np.concatenate([[0], np.cumsum(sizes)])  # [G + 1]
+            starts = bounds(sizes)  # [G + 1]
             groups = np.unique(np.searchsorted(starts, rows, side="right") - 1)
             table = pf.read_row_groups(groups.tolist(), columns=columns)
-        offsets = np.concatenate([[0], np.cumsum(sizes[groups])])  # where each read group starts in table
+        offsets = bounds(sizes[groups])  # where each read group starts in table
         local = offsets[np.searchsorted(groups, np.searchsorted(starts, rows, side="right") - 1)] \
             + rows - starts[np.searchsorted(starts, rows, side="right") - 1]
         return table.take(pa.array(local))
