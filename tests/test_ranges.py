@@ -1,8 +1,8 @@
-"""Back-to-back ranges: each helper against the same ranges written out in Python."""
+"""Ranges laid end to end: each helper against the same ranges written out in Python."""
 
 import numpy as np
 
-from embedpipe.text.ranges import bounds, ranges, within
+from embedpipe.ranges import bounds, ranges, within
 
 COUNTS = np.array([2, 0, 3, 1], dtype=np.int64)
 STARTS = np.array([10, 99, 4, 0], dtype=np.int64)

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from embedpipe.ranges import bounds, ranges
 from embedpipe.report.counters import Counters, DocumentCost
-from embedpipe.text.ranges import bounds, ranges
 
 KEEP_SHARE = 0.05  # kept when the sample holds at least this share of the input's rows (a row's lookup by its text
 # costs ~0.2 µs, its tokenizing alone ~40: docs/performance.md, session 34) ...

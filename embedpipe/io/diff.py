@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from embedpipe.io import fs
+from embedpipe.ranges import within
 from embedpipe.report.memory import peak_rss_mb
-from embedpipe.text.ranges import within
 from embedpipe.units import Unit
 
 MAP_UNITS = 32  # units per map task: (map tasks x buckets) Ray objects stay under ~40k at 10^4 units

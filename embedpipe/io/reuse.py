@@ -25,7 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from embedpipe.io.fs import arrow_filesystem
-from embedpipe.text.ranges import bounds
+from embedpipe.ranges import bounds
 
 HASH_BYTES = 16
 

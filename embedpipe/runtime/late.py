@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from embedpipe.ranges import bounds, ranges
 from embedpipe.report.counters import Counters
 from embedpipe.text.chunking import Chunker, Chunks, concat_chunks, frame_spans, plan_windows
-from embedpipe.text.ranges import bounds, ranges
 
 
 class LatePooler:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedpipe.text.ranges import within
+from embedpipe.ranges import within
 from embedpipe.text.tokenizer import DocumentTokens, TextTokenizer, Tokenized
 
 SENTENCE, LINE, SPACE, EDGE, MID = 3, 2, 1, 0, -1  # boundary ranks, best first

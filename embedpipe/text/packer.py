@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from embedpipe.text.ranges import bounds, within
+from embedpipe.ranges import bounds, within
 from embedpipe.text.tokenizer import Tokenized
 
 

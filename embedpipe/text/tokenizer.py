@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.normalizers import Lowercase, Sequence
 
-from embedpipe.text.ranges import bounds
+from embedpipe.ranges import bounds
 
 
 @dataclass

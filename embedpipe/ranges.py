@@ -1,4 +1,4 @@
-"""Back-to-back ranges in numpy: sequences in a packed batch, chunks of a document, vectors of a sampled text.
+"""Ranges laid end to end, in numpy: sequences in a packed batch, chunks of a document, bytes of an id, a sample.
 
 ``counts`` [N] are the ranges' lengths, laid end to end; these say where each range begins and which items it holds.
 """
