@@ -91,7 +91,7 @@ def cli_run(job: Path, *, tree: Path, out: Path, incremental: bool) -> dict:
     """One run of ``job`` from ``tree``: a new output (``--overwrite``), or the next night of an incremental one."""
     env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
     flags = ["--no-progress"] + ([] if incremental else ["--overwrite"])
-    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import app; app()", "run", str(job), *flags],
+    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import main; main()", "run", str(job), *flags],
                           cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{job} from {tree} failed ({done.returncode}): {done.stderr[-2000:]}")

@@ -68,7 +68,7 @@ def cli_run(job: Path, *, tree: Path, output: Path) -> dict:
     """`embedpipe run JOB --overwrite` from ``tree`` in a fresh process; the figures of its report."""
     env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
     began = time.time()
-    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import app; app()", "run", str(job),
+    done = subprocess.run([sys.executable, "-c", "from embedpipe.cli import main; main()", "run", str(job),
                            "--no-progress", "--overwrite"], cwd=tree, env=env, capture_output=True, text=True)
     wall = time.time() - began
     if done.returncode != 0:

@@ -67,7 +67,7 @@ def cli_run(*, tree: Path, out: Path, overrides: list[str]) -> dict:
     sets = [arg for o in [*overrides, f"output.path={out}"] for arg in ("--set", o)]
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         began, cpu = time.perf_counter(), cpu_seconds()
-        proc = subprocess.Popen([sys.executable, "-c", "from embedpipe.cli import app; app()", "run",
+        proc = subprocess.Popen([sys.executable, "-c", "from embedpipe.cli import main; main()", "run",
                                  "examples/quickstart.yaml", "--no-progress", "-q", *sets], cwd=tree, env=env,
                                 stdout=stdout, stderr=stderr, text=True)
         idle, last = [], cpu  # the machine's idle CPU-seconds in each BIN_S of the command, the last one partial
