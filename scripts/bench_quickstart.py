@@ -11,7 +11,8 @@ tree's. A tree is any checkout holding an ``embedpipe`` package and ``examples/`
 It also says where the machine's CPU went during each command (Linux ``/proc/stat``, the whole machine: keep it
 otherwise quiet): CPU-seconds busy, idle and stolen by the hypervisor, against the worker-seconds the report
 counts on units. Idle near zero means the whole-wall scaling is bound by CPU the units do not use (Ray's
-processes, the driver, the workers' start), not by waits that an overlap could fill.
+processes, the driver, the workers' start), not by waits that an overlap could fill. And how each run ends: the
+report's wall after its last unit (the parts finished, the index, Ray shut down) and the command after the wall.
 
     .venv/bin/python scripts/bench_quickstart.py --tree before=/tmp/tree_before              # this tree vs before
     .venv/bin/python scripts/bench_quickstart.py --tree before=/tmp/tree_before --set output.dtype=int8 --rounds 2
@@ -37,7 +38,7 @@ from bench_sample import cpu_description  # noqa: E402
 
 BIN_S = 0.5  # the machine's idle CPU is also told in steps of this many seconds of each command
 FIGURES = ("command_s", "startup_s", "wall_s", "scaling", "scaling_after_startup", "busy_cpu_s", "idle_cpu_s",
-           "stolen_cpu_s", "unit_s")
+           "stolen_cpu_s", "unit_s", "tail_s", "after_wall_s")
 
 
 def cpu_seconds() -> dict[str, float]:
@@ -92,6 +93,8 @@ def cli_run(*, tree: Path, out: Path, overrides: list[str]) -> dict:
             "busy_cpu_s": used["busy"] - cpu["busy"], "idle_cpu_s": used["idle"] - cpu["idle"],
             "stolen_cpu_s": used["stolen"] - cpu["stolen"],
             "unit_s": report["scaling_efficiency"] * len(report["per_worker"]) * report["wall_seconds"],
+            "tail_s": report["wall_seconds"] - max(span[1] for w in report["per_worker"] for span in w["timeline"]),
+            "after_wall_s": command - report["wall_seconds"],
             "idle_by_step": idle}
 
 
@@ -109,7 +112,8 @@ def main() -> int:
                 print(f"round {round_ + 1} {name}: command {r['command_s']:.2f} s, start-up {r['startup_s']:.2f} s, "
                       f"wall {r['wall_s']:.2f} s, scaling {r['scaling']:.1%} ({r['scaling_after_startup']:.1%} after "
                       f"start-up); CPU-s busy {r['busy_cpu_s']:.1f}, idle {r['idle_cpu_s']:.1f}, stolen "
-                      f"{r['stolen_cpu_s']:.1f}, worker-s on units {r['unit_s']:.1f}", flush=True)
+                      f"{r['stolen_cpu_s']:.1f}, worker-s on units {r['unit_s']:.1f}; the wall after the last unit "
+                      f"{r['tail_s']:.2f} s, the command after the wall {r['after_wall_s']:.2f} s", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in FIGURES} for name, rs in runs.items()}
     first = medians[next(iter(trees))]
     print("\n| tree | command | start-up (range) | report wall | scaling, whole wall (range) | after start-up | "
@@ -121,6 +125,15 @@ def main() -> int:
               f"{m['wall_s']:.2f} s | {m['scaling']:.1%} ({min(scalings):.1%}-{max(scalings):.1%}) | "
               f"{m['scaling_after_startup']:.1%} | {m['wall_s'] / first['wall_s']:.2f} | "
               f"{m['startup_s'] / first['startup_s']:.2f} |")
+    print("\nThe run's end (medians): the report's wall after the last unit ended (the parts finished, the index, Ray "
+          "shut down), and the command after the report's wall (the CLI's imports before its clock, the report "
+          "written, the process's exit):\n")
+    print("| tree | wall after the last unit (range) | command after the wall (range) |")
+    print("| --- | ---: | ---: |")
+    for name, m in medians.items():
+        tails, afters = [r["tail_s"] for r in runs[name]], [r["after_wall_s"] for r in runs[name]]
+        print(f"| {name} | {m['tail_s']:.2f} s ({min(tails):.2f}-{max(tails):.2f}) | {m['after_wall_s']:.2f} s "
+              f"({min(afters):.2f}-{max(afters):.2f}) |")
     print("\nThe machine's CPU-seconds during each command (medians; busy + idle + stolen = CPUs × command):\n")
     print("| tree | busy | idle | stolen | worker-seconds on units | busy, not on units | idle, of all |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

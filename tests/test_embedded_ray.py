@@ -36,9 +36,11 @@ assert connect(ClusterConfig()), "connect started no Ray of its own"
 assert ray.get(Echo.remote().ping.remote(), timeout=60) == "pong"
 from ray._raylet import Config  # this driver's copy of the running Ray's system config
 retries = [Config.raylet_client_connect_timeout_milliseconds(), Config.raylet_client_num_connect_attempts()]
+from ray._private.state import state  # the system config the GCS holds: what the node's processes run with
+task_events = state.get_system_config().get("task_events_report_interval_ms")
 node = worker._global_node
 processes = {kind: [i.process for i in infos] for kind, infos in node.all_processes.items()}
-seen = {"connect retries": retries, "registration polls": polls,
+seen = {"connect retries": retries, "task events every": task_events, "registration polls": polls,
         "lookup restored": services.get_node is lookup, "processes": sorted(processes),
         "dashboard start restored": Node.start_api_server is start_api_server,
         "monitor start restored": Node.start_monitor is start_monitor,
@@ -57,8 +59,9 @@ print("RESULT " + json.dumps(seen))
 
 
 def test_embedded_ray_start_and_stop():
-    """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms), its node's
-    registration polled every 20 ms instead of Ray's 1 s, and neither a dashboard head nor an autoscaler monitor.
+    """connect starts the embedded Ray with LOCAL_SYSTEM_CONFIG (its IPC connects retried every 100 ms, no task
+    events), its node's registration polled every 20 ms instead of Ray's 1 s, and neither a dashboard head nor an
+    autoscaler monitor.
     disconnect is Ray's own shutdown, and every process it started exits."""
     from ray._private import ray_constants
 
@@ -68,6 +71,7 @@ def test_embedded_ray_start_and_stop():
     assert seen["ray up after"] is False and seen["alive after"] == [], seen
     assert "autoscaler failed" not in done.stderr.lower() + done.stdout.lower()  # no "failure" reported
     assert seen["connect retries"] == [100, 100], seen  # the embedded Ray runs with LOCAL_SYSTEM_CONFIG
+    assert seen["task events every"] == 0, seen  # none recorded: nothing of an embedded Ray could read them
     # the start's lookup of its node polled the GCS and found it there; Ray's own lookup is back in place after
     assert seen["registration polls"] == [True] and seen["lookup restored"], seen
     # no dashboard head: its address is one nobody serves, as the head's own is with no dashboard; the node's agent
@@ -98,9 +102,10 @@ def test_local_system_config_leaves_what_the_environment_sets(monkeypatch):
     """Ray's own RAY_<name> environment variables keep their say: such a key is not passed as system config."""
     from embedpipe.cluster.embedded import LOCAL_SYSTEM_CONFIG, local_system_config
 
-    monkeypatch.delenv("RAY_raylet_client_num_connect_attempts", raising=False)
+    for name in LOCAL_SYSTEM_CONFIG:
+        monkeypatch.delenv(f"RAY_{name}", raising=False)
     monkeypatch.setenv("RAY_raylet_client_connect_timeout_milliseconds", "250")
-    assert local_system_config() == {"raylet_client_num_connect_attempts": 100}
+    assert local_system_config() == {"raylet_client_num_connect_attempts": 100, "task_events_report_interval_ms": 0}
     monkeypatch.delenv("RAY_raylet_client_connect_timeout_milliseconds")
     assert local_system_config() == LOCAL_SYSTEM_CONFIG
 
