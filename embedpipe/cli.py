@@ -267,8 +267,8 @@ def _leave(done: SystemExit) -> NoReturn:
     """Exit as Python would, less the interpreter's teardown: after a run it freed Ray's, pyarrow's and
     matplotlib's modules one by one, 0.2-0.45 s of every command's wall on two Zen 4 cores (docs/performance.md,
     session 36). The exit handlers run first (atexit: logging's flush, Ray's shutdown of a joined cluster,
-    temporary folders), then stdout and stderr are flushed. Where a thread that Python would wait for still runs,
-    or this Python has no exit handlers to run, the exit is Python's own."""
+    temporary folders), then stdout and stderr are flushed, Python's and C's. Where a thread that Python would wait
+    for still runs, or this Python has no exit handlers to run, the exit is Python's own."""
     import atexit
     import os
     import threading
@@ -287,7 +287,18 @@ def _leave(done: SystemExit) -> NoReturn:
         sys.stderr.flush()
     except (OSError, ValueError):  # a closed pipe (`embedpipe ... | head`): Python's own exit says 120
         code = code or 120
+    _flush_c_stdio()
     os._exit(code or 0)
+
+
+def _flush_c_stdio() -> None:
+    """Flush C's own stdio buffers (what a C library printed to a pipe), as the C exit that os._exit skips would."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError, TypeError):  # no C library to load by that name here: nothing buffered to lose
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover
