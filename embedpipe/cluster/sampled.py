@@ -121,8 +121,8 @@ class Taken:
     rows: np.ndarray  # [K] their places in the sample, in order
     sample: SampleVectors
 
-    @property
-    def _counts(self) -> np.ndarray:  # [K] vectors of each text taken (1; chunked: its chunks)
+    @cached_property
+    def _counts(self) -> np.ndarray:  # [K] vectors of each text taken (1; chunked: its chunks), read up to 3 times
         first = self.sample.first
         return first[self.rows + 1] - first[self.rows]
 
