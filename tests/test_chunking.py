@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from embedpipe.text.chunking import MID, SPACE, Chunker, boundary_rank
+from embedpipe.text.chunking import CHUNK_FIELDS, MID, SPACE, Chunker, boundary_rank, documents_of
 from embedpipe.text.tokenizer import TextTokenizer
 from tests.conftest import shared_data
 
@@ -78,6 +78,32 @@ def test_real_documents_properties(tokenizer, documents, max_tokens, overlap):
     assert len(chunks) > 2 * len(documents)  # the real pages are long: many are cut
     for d, text in enumerate(documents):
         check_document(chunker, text, docs[d], chunks, d)
+
+
+def assert_same_chunking(got, want) -> None:
+    (got_docs, got_chunks), (want_docs, want_chunks) = got, want
+    assert len(got_docs) == len(want_docs)
+    for g, w in zip(got_docs, want_docs):
+        for name in ("ids", "starts", "ends", "word_start"):
+            np.testing.assert_array_equal(getattr(g, name), getattr(w, name))
+    for name in CHUNK_FIELDS:
+        np.testing.assert_array_equal(getattr(got_chunks, name), getattr(want_chunks, name))
+        assert getattr(got_chunks, name).dtype == getattr(want_chunks, name).dtype
+
+
+def test_documents_taken_from_a_chunkers_output_are_chunked_as_on_their_own(tokenizer, documents):
+    """A subset of the documents, or a window of them, taken from the chunker's output for all of them: the same
+    tokens and chunks (numbered within the subset) as chunking those texts alone."""
+    chunker = Chunker(tokenizer=tokenizer, max_tokens=64, overlap=16, window=32)
+    given = chunker(documents)
+    subset = np.sort(np.random.default_rng(0).choice(len(documents), size=13, replace=False))
+    assert_same_chunking(documents_of(*given, subset), chunker([documents[i] for i in subset]))
+    for start in range(0, len(documents), 16):  # the last window runs past the end
+        assert_same_chunking(chunker.chunk_range(documents, start=start, stop=start + 16, given=given),
+                             chunker(documents[start:start + 16]))
+    assert_same_chunking(chunker.chunk_range(documents, start=3, stop=9), chunker(documents[3:9]))  # nothing given
+    empty = documents_of(*given, np.zeros(0, dtype=np.int64))
+    assert empty[0] == [] and all(len(getattr(empty[1], name)) == 0 for name in CHUNK_FIELDS)
 
 
 def test_megabyte_document(tokenizer, megabyte):

@@ -139,12 +139,20 @@ def chunked_worker(request, small_corpus, tmp_path_factory):
     return EmbedWorker(job, model=None, index=0, threads=1)
 
 
-def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(chunked_worker, small_corpus):
-    """Its ranges must be those of the chunk vectors its parts store, not of whole (truncated) documents."""
+def test_a_chunked_runs_sample_is_embedded_as_its_parts_store_it_chunk_by_chunk(chunked_worker, small_corpus,
+                                                                                monkeypatch):
+    """Its ranges must be those of the chunk vectors its parts store, not of whole (truncated) documents. Its
+    documents are tokenized once: those it embeds are taken from the chunking that counted their chunks."""
     table, _ = small_corpus
     worker, texts = chunked_worker, table["text"].to_pylist()[:12]
     assert len(worker.encoder.embed_chunks(texts)[1]) > len(texts)  # every chunk: more than the 12 rows asked
+    tokenizer, tokenized = worker.encoder.chunker.tokenizer, []
+    documents = tokenizer.documents
+    monkeypatch.setattr(tokenizer, "documents", lambda some, **kw: tokenized.extend(some) or documents(some, **kw))
     piece = worker.embed_sample(texts)
+    monkeypatch.undo()
+    assert tokenized == texts
+    assert Counters.from_dict(piece.span.counters).stages["tokenize"] > 0
     _, chunks = worker.encoder.chunker(texts)
     keep = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))
     counted = Counters()

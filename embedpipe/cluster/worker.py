@@ -133,14 +133,16 @@ class EmbedWorker:
         check_same_code(self.code, who=f"the int8 calibration on worker {self.index}", node=self.node)
         import numpy as np
 
-        from embedpipe.text.chunking import CHUNK_FIELDS
+        from embedpipe.text.chunking import CHUNK_FIELDS, documents_of
 
         self._threads_here()
         counters, costs, started = Counters(), [], time.time()
         if self.encoder.chunker is not None:  # the ranges are of what the parts store: the documents' chunks
-            _, chunks = self.encoder.chunker(texts)  # tokenized only: each document's chunks
+            with counters.time("tokenize"):  # each document's chunks, tokenized once: the embedded ones are taken
+                docs, chunks = self.encoder.chunker(texts)
             embedded = documents_within(chunks.per_document_of(len(texts)), rows=len(texts))  # about as many chunks
-            chunks, vectors = self.encoder.embed_chunks([texts[i] for i in embedded], counters, per_document=costs)
+            chunks, vectors = self.encoder.embed_chunks([texts[i] for i in embedded], counters, per_document=costs,
+                                                        chunked=documents_of(docs, chunks, embedded))
             columns = {name: getattr(chunks, name) for name in CHUNK_FIELDS}  # [C] each
         else:
             vectors = self.encoder.embed(texts, counters, per_document=costs)  # [n, D]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from embedpipe.runtime.runners import build_runner
 from embedpipe.runtime.warmup import warmup_guard
 from embedpipe.text.chunking import Chunker, Chunks, concat_chunks
 from embedpipe.text.packer import Batch, TokenPacker
-from embedpipe.text.tokenizer import Tokenized, TextTokenizer
+from embedpipe.text.tokenizer import DocumentTokens, Tokenized, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +127,17 @@ class Encoder:
         """Tokenize and pack ``texts`` whole, ahead of ``embed(texts, prepared=...)``: a worker prepares its next
         unit this way while it encodes the current one (the read-ahead). Memory: the unit's token ids, twice."""
         counters = counters if counters is not None else Counters()
-        return [self._window(texts, start, counters) for start in range(0, len(texts), self.batching.sort_window)]
+        tokenize_at = self._tokenized(texts)
+        return [self._window(start, counters, tokenize_at) for start in range(0, len(texts), self.batching.sort_window)]
 
-    def _window(self, texts: list[str], start: int, counters: Counters, tokenize=None) -> Window:
-        """One sort window, tokenized (``tokenize``: the tokenizer, or the chunker's framing) and packed."""
+    def _tokenized(self, texts: list[str]) -> Callable[[int], Tokenized]:
+        """The sort window of ``texts`` that starts at a given text, tokenized: a sequence per text."""
+        return lambda start: self.tokenizer(texts[start:start + self.batching.sort_window])
+
+    def _window(self, start: int, counters: Counters, tokenize_at: Callable[[int], Tokenized]) -> Window:
+        """One sort window, tokenized (``tokenize_at(start)``: a sequence per output row) and packed."""
         with counters.time("tokenize"):
-            tok = (tokenize or self.tokenizer)(texts[start:start + self.batching.sort_window])
+            tok = tokenize_at(start)
         with counters.time("pack"):
             return start, tok, self.packer(tok)
 
@@ -148,35 +153,38 @@ class Encoder:
         """
         counters = counters if counters is not None else Counters()
         sequences: list = []  # each sort window's (real tokens [n], truncated [n])
-        vectors = self._encode(texts, counters, self.tokenizer, prepared=prepared, per_row=sequences)
+        vectors = self._encode(texts, counters, self._tokenized(texts), prepared=prepared, per_row=sequences)
         counters.rows += len(texts)
         if per_document is not None:
             per_document.append(_cost(sequences, doc=np.arange(len(texts)), chunks=np.ones(len(texts), np.int64)))
         return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
 
     def embed_chunks(self, texts: list[str], counters: Counters | None = None, *,
-                     per_document: list | None = None) -> tuple[Chunks, np.ndarray]:
+                     per_document: list | None = None,
+                     chunked: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[Chunks, np.ndarray]:
         """Documents to chunks (embedpipe/text/chunking.py, ``input.chunking``) and one vector per chunk [C, D]
         float32, documents in input order, chunks in text order; each chunk's vector is that of its text.
-        ``per_document``: given, what each document cost is appended, as ``DocumentCost``."""
+        ``per_document``: given, what each document cost is appended, as ``DocumentCost``. ``chunked``: the
+        chunker's output for ``texts``, when the caller chunked them already (they are not tokenized again)."""
         if self.chunker is None:
             raise ValueError("embed_chunks needs input.chunking.mode split or late")
         counters = counters if counters is not None else Counters()
         sequences: list = []  # each sort window's (real tokens [n], truncated [n]): a chunk each; late: a window
         if self.late is not None:
             windows: list = []  # each sort window's (document [W], tokens [W])
-            chunks, vectors = self.late(texts, counters, per_window=windows)
+            chunks, vectors = self.late(texts, counters, per_window=windows, chunked=chunked)
             sequences = [(lengths, np.zeros(len(lengths), dtype=bool)) for _, lengths in windows]
             doc = np.concatenate([d for d, _ in windows]) if windows else np.zeros(0, np.int64)
         else:
             plans: list[Chunks] = []
 
-            def tokenize(window: list[str]):  # prefetch thread
-                docs, chunks = self.chunker(window)
+            def tokenize_at(start: int) -> Tokenized:  # prefetch thread
+                stop = start + self.batching.sort_window
+                docs, chunks = self.chunker.chunk_range(texts, start=start, stop=stop, given=chunked)
                 plans.append(chunks)
                 return self.chunker.framed(docs, chunks)
 
-            outs = self._encode(texts, counters, tokenize, per_row=sequences)
+            outs = self._encode(texts, counters, tokenize_at, per_row=sequences)
             chunks = concat_chunks(plans, offsets=range(0, len(texts), self.batching.sort_window))
             vectors = np.concatenate(outs) if outs else np.empty((0, self.dim), dtype=np.float32)
             doc = chunks.doc
@@ -187,11 +195,11 @@ class Encoder:
             per_document.append(_cost(sequences, doc=doc, chunks=per))
         return chunks, vectors
 
-    def _encode(self, texts: list[str], counters: Counters, tokenize, *,
+    def _encode(self, texts: list[str], counters: Counters, tokenize_at: Callable[[int], Tokenized], *,
                 prepared: list[Window] | None = None, per_row: list | None = None) -> list[np.ndarray]:
-        """The vectors of each sort window of ``texts``: ``tokenize(window) -> Tokenized`` (one sequence per
-        output row) on the prefetch thread (or ``prepared``: the windows tokenized already), then pack, encode
-        and pool."""
+        """The vectors of each sort window of ``texts``: ``tokenize_at(start) -> Tokenized``, the window that
+        starts at text ``start`` (one sequence per output row), on the prefetch thread (or ``prepared``: the windows
+        tokenized already), then pack, encode and pool."""
         outs: list[np.ndarray] = []
         pending: deque = deque()  # (out, rows, LazyResult), oldest first
 
@@ -203,7 +211,7 @@ class Encoder:
 
         starts = range(0, len(texts), self.batching.sort_window)
         source = (contextlib.nullcontext(prepared) if prepared is not None
-                  else Prefetcher(starts, lambda start: self._window(texts, start, counters, tokenize)))
+                  else Prefetcher(starts, lambda start: self._window(start, counters, tokenize_at)))
         with counters.time("encode"), source as ready:
             for _start, tok, batches in ready:
                 outs.append(np.empty((len(tok.lengths), self.dim), dtype=np.float32))

@@ -18,6 +18,7 @@ import torch
 from embedpipe.ranges import bounds, ranges
 from embedpipe.report.counters import Counters
 from embedpipe.text.chunking import Chunker, Chunks, concat_chunks, frame_spans, plan_windows
+from embedpipe.text.tokenizer import DocumentTokens
 
 
 class LatePooler:
@@ -31,14 +32,15 @@ class LatePooler:
         self.budget = context - chunker.tokenizer.framing  # text tokens per window
         self.lead = len(chunker.tokenizer.prefix) + len(chunker.tokenizer.prompt_ids)  # tokens before the text
 
-    def __call__(self, texts: list[str], counters: Counters, *,
-                 per_window: list | None = None) -> tuple[Chunks, np.ndarray]:
+    def __call__(self, texts: list[str], counters: Counters, *, per_window: list | None = None,
+                 chunked: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[Chunks, np.ndarray]:
         """``per_window``: given, each sort window's (document [W] into ``texts``, tokens [W]) of its forward
-        passes is appended."""
+        passes is appended. ``chunked``: the chunker's output for ``texts``, when the caller chunked them already."""
         plans, outs = [], []
         for start in range(0, len(texts), self.sort_window):
             with counters.time("tokenize"):
-                docs, chunks = self.chunker(texts[start:start + self.sort_window])
+                stop = start + self.sort_window
+                docs, chunks = self.chunker.chunk_range(texts, start=start, stop=stop, given=chunked)
                 windows = plan_windows(chunks, budget=self.budget)
                 tok = frame_spans(self.chunker.tokenizer, docs, windows.doc, windows.first, windows.stop)
             with counters.time("pack"):

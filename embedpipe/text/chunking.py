@@ -64,6 +64,15 @@ def concat_chunks(parts: list[Chunks], *, offsets) -> Chunks:
     return Chunks(**joined)
 
 
+def documents_of(docs: list[DocumentTokens], chunks: Chunks, index: np.ndarray) -> tuple[list[DocumentTokens], Chunks]:
+    """Documents ``index`` (increasing) of a chunker's output (``docs``, ``chunks``), as the chunker gives them for
+    those texts alone: a document's tokens and chunks do not depend on the documents chunked beside it."""
+    index = np.asarray(index, dtype=np.int64)
+    part = chunks.take(np.flatnonzero(np.isin(chunks.doc, index)))
+    part.doc = np.searchsorted(index, part.doc).astype(np.int64)
+    return [docs[i] for i in index.tolist()], part
+
+
 class Chunker:
     """Built once from the model's tokenizer and ``input.chunking``; called per list of texts."""
 
@@ -94,6 +103,15 @@ class Chunker:
                 start[i], end[i] = tokens.starts[first], tokens.ends[stop - 1]
         return docs, Chunks(doc=doc, chunk=chunk, first=pairs[:, 0].copy(), stop=pairs[:, 1].copy(),
                             start=start, end=end)
+
+    def chunk_range(self, texts: list[str], *, start: int, stop: int,
+                    given: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[list[DocumentTokens], Chunks]:
+        """Documents [start, stop) of ``texts``, chunked as ``self(texts[start:stop])`` chunks them. ``given``: this
+        chunker's output for all of ``texts``, when the caller has it already: its documents are taken from it, not
+        tokenized again."""
+        if given is None:
+            return self(texts[start:stop])
+        return documents_of(*given, np.arange(start, min(stop, len(texts))))
 
     def spans(self, doc: DocumentTokens, text: str) -> list[tuple[int, int]]:
         """[first, stop) token spans of one document: consecutive spans share exactly ``overlap`` tokens."""
