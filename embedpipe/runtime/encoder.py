@@ -23,9 +23,9 @@ from embedpipe.runtime.late import LatePooler
 from embedpipe.runtime.prefetch import Prefetcher
 from embedpipe.runtime.runners import build_runner
 from embedpipe.runtime.warmup import warmup_guard
-from embedpipe.text.chunking import Chunker, Chunks, concat_chunks
+from embedpipe.text.chunking import Chunked, Chunker, Chunks, concat_chunks
 from embedpipe.text.packer import Batch, TokenPacker
-from embedpipe.text.tokenizer import DocumentTokens, Tokenized, TextTokenizer
+from embedpipe.text.tokenizer import Tokenized, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,7 @@ class Encoder:
         return np.concatenate(vectors) if vectors else np.empty((0, self.dim), dtype=np.float32)
 
     def embed_chunks(self, texts: list[str], counters: Counters | None = None, *,
-                     per_document: list | None = None,
-                     chunked: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[Chunks, np.ndarray]:
+                     per_document: list | None = None, chunked: Chunked | None = None) -> tuple[Chunks, np.ndarray]:
         """Documents to chunks (embedpipe/text/chunking.py, ``input.chunking``) and one vector per chunk [C, D]
         float32, documents in input order, chunks in text order; each chunk's vector is that of its text.
         ``per_document``: given, what each document cost is appended, as ``DocumentCost``. ``chunked``: the

@@ -17,8 +17,7 @@ import torch
 
 from embedpipe.ranges import bounds, ranges
 from embedpipe.report.counters import Counters
-from embedpipe.text.chunking import Chunker, Chunks, concat_chunks, frame_spans, plan_windows
-from embedpipe.text.tokenizer import DocumentTokens
+from embedpipe.text.chunking import Chunked, Chunker, Chunks, concat_chunks, frame_spans, plan_windows
 
 
 class LatePooler:
@@ -33,7 +32,7 @@ class LatePooler:
         self.lead = len(chunker.tokenizer.prefix) + len(chunker.tokenizer.prompt_ids)  # tokens before the text
 
     def __call__(self, texts: list[str], counters: Counters, *, per_window: list | None = None,
-                 chunked: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[Chunks, np.ndarray]:
+                 chunked: Chunked | None = None) -> tuple[Chunks, np.ndarray]:
         """``per_window``: given, each sort window's (document [W] into ``texts``, tokens [W]) of its forward
         passes is appended. ``chunked``: the chunker's output for ``texts``, when the caller chunked them already."""
         plans, outs = [], []

@@ -52,6 +52,7 @@ class Chunks:
 
 
 CHUNK_FIELDS = ("doc", "chunk", "first", "stop", "start", "end")
+Chunked = tuple[list[DocumentTokens], Chunks]  # a chunker's output for N documents: each one's tokens [N], the chunks
 
 
 def concat_chunks(parts: list[Chunks], *, offsets) -> Chunks:
@@ -64,7 +65,7 @@ def concat_chunks(parts: list[Chunks], *, offsets) -> Chunks:
     return Chunks(**joined)
 
 
-def documents_of(docs: list[DocumentTokens], chunks: Chunks, index: np.ndarray) -> tuple[list[DocumentTokens], Chunks]:
+def documents_of(docs: list[DocumentTokens], chunks: Chunks, index: np.ndarray) -> Chunked:
     """Documents ``index`` (increasing) of a chunker's output (``docs``, ``chunks``), as the chunker gives them for
     those texts alone: a document's tokens and chunks do not depend on the documents chunked beside it."""
     index = np.asarray(index, dtype=np.int64)
@@ -85,7 +86,7 @@ class Chunker:
                              f"{overlap}: raise max_tokens or lower overlap")
         self.window = max(0, min(window, self.budget - overlap - 1))
 
-    def __call__(self, texts: list[str]) -> tuple[list[DocumentTokens], Chunks]:
+    def __call__(self, texts: list[str]) -> Chunked:
         docs = self.tokenizer.documents(texts, offsets_past=self.budget)  # offsets only where a cut is needed
         spans = [self.spans(doc, text) for doc, text in zip(docs, texts)]
         counts = np.fromiter((len(s) for s in spans), dtype=np.int64, count=len(spans))
@@ -104,8 +105,7 @@ class Chunker:
         return docs, Chunks(doc=doc, chunk=chunk, first=pairs[:, 0].copy(), stop=pairs[:, 1].copy(),
                             start=start, end=end)
 
-    def chunk_range(self, texts: list[str], *, start: int, stop: int,
-                    given: tuple[list[DocumentTokens], Chunks] | None = None) -> tuple[list[DocumentTokens], Chunks]:
+    def chunk_range(self, texts: list[str], *, start: int, stop: int, given: Chunked | None = None) -> Chunked:
         """Documents [start, stop) of ``texts``, chunked as ``self(texts[start:stop])`` chunks them. ``given``: this
         chunker's output for all of ``texts``, when the caller has it already: its documents are taken from it, not
         tokenized again."""
