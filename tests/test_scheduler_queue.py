@@ -24,11 +24,11 @@ LIVENESS = Liveness(unit_timeout_s=60, startup_timeout_s=60, placement_timeout_s
 
 
 class LoggingWorker:
-    """process(unit, ahead): log the arrival (and ``ahead``), sleep, log the end; die (os._exit) on the unit named
-    ``die_on`` once (a marker file remembers it), after logging its arrival."""
+    """process(unit, ahead): log the arrival (and ``ahead``), sleep ``seconds``, log the end; die (os._exit) on the
+    unit named ``die_on`` once (a marker file remembers it), after logging its arrival."""
 
-    def __init__(self, log: str, die_on: str = ""):
-        self.log, self.die_on = Path(log), die_on
+    def __init__(self, log: str, die_on: str = "", seconds: float = 0.4):
+        self.log, self.die_on, self.seconds = Path(log), die_on, seconds
 
     def _write(self, **event) -> None:
         with self.log.open("a") as f:
@@ -36,7 +36,7 @@ class LoggingWorker:
 
     def process(self, unit: Unit, ahead: Unit | None = None) -> str:
         self._write(event="arrived", unit=unit.id, ahead=ahead.id if ahead is not None else None)
-        time.sleep(0.4)
+        time.sleep(self.seconds)
         marker = self.log.with_suffix(".died")
         if unit.id == self.die_on and not marker.exists():
             marker.write_text("1")
@@ -49,10 +49,12 @@ def _units(n: int) -> list[Unit]:
     return [Unit(id=f"00000-{i:05d}", file="corpus.parquet", row_groups=(i,), num_rows=10) for i in range(n)]
 
 
-def _scheduler(log: Path, *, workers: int, die_on: str = "", depth: int = 2) -> Scheduler:
+def _scheduler(log: Path, *, workers: int, die_on: str = "", depth: int = 2,
+               seconds: tuple[float, ...] = (0.4,)) -> Scheduler:
+    """``seconds``: each slot's time per unit (the last one for the slots after them)."""
     actor_cls = worker_actor(LoggingWorker).options(num_cpus=0, max_restarts=0)
-    return Scheduler(make_actor=lambda slot: actor_cls.remote(str(log), die_on), workers=workers, max_attempts=3,
-                     liveness=LIVENESS, depth=depth)
+    return Scheduler(make_actor=lambda slot: actor_cls.remote(str(log), die_on, seconds[min(slot, len(seconds) - 1)]),
+                     workers=workers, max_attempts=3, liveness=LIVENESS, depth=depth)
 
 
 def _events(log: Path) -> list[dict]:
@@ -79,6 +81,26 @@ def test_few_units_go_to_every_worker_first(tmp_path, ray_session):
     list(_scheduler(log, workers=2).run(_units(2)))
     pids = {e["unit"]: e["pid"] for e in _events(log) if e["event"] == "done"}
     assert len(set(pids.values())) == 2  # one unit each, not both queued on the first worker
+
+
+def test_a_free_worker_takes_the_unit_a_slower_one_holds_once_the_queue_is_empty(tmp_path, ray_session):
+    """Slot 0 takes 4 s a unit, slot 1 0.2 s: slot 0 holds unit 2 behind unit 0, and slot 1, done with units 1
+    and 3 while unit 0 runs, takes unit 2 from it. Every unit is done once, none retried, and the run ends with
+    slot 0's first unit (about 4 s), not after its second (about 8 s)."""
+    log = tmp_path / "events.jsonl"
+    units, started = _units(4), time.monotonic()
+    scheduler = _scheduler(log, workers=2, seconds=(4.0, 0.2))
+    done = list(scheduler.run(units))
+    wall = time.monotonic() - started
+    events = _events(log)
+    slow = next(e for e in events if e["event"] == "arrived" and e["unit"] == units[0].id)
+    assert slow["ahead"] == units[2].id  # it held unit 2, and was reading it ahead
+    doers = {e["unit"]: e["pid"] for e in events if e["event"] == "done"}
+    assert sorted(done) == [u.id for u in units] and len(doers) == 4
+    assert [e["unit"] for e in events if e["event"] == "arrived"].count(units[2].id) == 1
+    assert doers[units[2].id] != slow["pid"] and doers[units[2].id] == doers[units[1].id]
+    assert not scheduler.retries and not scheduler.failed
+    assert wall < 7.0, wall
 
 
 def test_a_dead_worker_costs_its_running_unit_an_attempt_and_its_queued_unit_none(tmp_path, ray_session):

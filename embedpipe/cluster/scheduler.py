@@ -3,7 +3,9 @@
 A free worker takes the next unit, so a slow worker never holds the rest back. With ``depth`` 2 (the
 embedding workers) each worker also holds the unit after it: the call of its current unit names that one
 (``process(unit, ahead=next)``), so the worker reads and tokenizes it while it encodes the first, and the next
-call finds it ready (its only wait is the driver's round trip, milliseconds). When a worker
+call finds it ready (its only wait is the driver's round trip, milliseconds). Once the queue is empty, a worker
+with nothing left takes the unit another worker holds behind its current one (none of it began: its read ahead is
+dropped), so a slower worker does not keep a unit that a free one can start now. When a worker
 dies (killed, out of memory, its node lost) its unit goes back to the queue and a new actor
 takes its slot (a unit held behind it had not begun encoding: it goes back to the front of the queue
 without losing an attempt); a unit that has killed ``max_attempts`` workers fails the run, or is set aside
@@ -466,9 +468,25 @@ class Scheduler:
             for slot in self._slots:
                 if self._queue and slot.actor is not None and len(slot.calls) == held:
                     slot.calls.append(_Call(self._queue.popleft(), None, taken=time.monotonic()))
+        if not self._queue:
+            self._hand_over_held()
         for slot in self._slots:
             if slot.actor is not None and slot.calls and slot.calls[0].ref is None:
                 self._submit(slot)
+
+    def _hand_over_held(self) -> None:
+        """The queue is empty: each started worker with no unit takes the last unit held behind another worker's
+        current one, from the worker holding the most. A held unit began nowhere (its holder was only reading it
+        ahead), so it moves without an attempt; a worker still starting takes none (its start may take longer
+        than the unit)."""
+        for idle in self._slots:
+            if idle.actor is None or idle.calls or idle.ready is None or idle.ready_ref is not None:
+                continue
+            holders = [s for s in self._slots if s.actor is not None and len(s.calls) > 1]
+            if not holders:
+                return
+            held = max(holders, key=lambda s: len(s.calls)).calls.pop()
+            idle.calls.append(_Call(held.unit, None, taken=time.monotonic()))
 
     def _submit(self, slot: _Slot) -> None:
         call = slot.calls[0]
