@@ -110,11 +110,11 @@ class PreviousVectors:
         with pq.ParquetFile(source) as pf:
             sizes = np.array([pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)])
             starts = bounds(sizes)  # [G + 1]
-            groups = np.unique(np.searchsorted(starts, rows, side="right") - 1)
+            group_of = np.searchsorted(starts, rows, side="right") - 1  # [R] the row group holding each row
+            groups = np.unique(group_of)
             table = pf.read_row_groups(groups.tolist(), columns=columns)
         offsets = bounds(sizes[groups])  # where each read group starts in table
-        local = offsets[np.searchsorted(groups, np.searchsorted(starts, rows, side="right") - 1)] \
-            + rows - starts[np.searchsorted(starts, rows, side="right") - 1]
+        local = offsets[np.searchsorted(groups, group_of)] + rows - starts[group_of]
         return table.take(pa.array(local))
 
 
