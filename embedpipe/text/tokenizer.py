@@ -1,7 +1,9 @@
-"""HF `tokenizers` wrapper: prompt, batch encode with truncation, ids out as one flat array."""
+"""HF `tokenizers` wrapper: prompt, batch encode with truncation (a long text by its head), ids out as one flat
+array."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,13 @@ from tokenizers import Tokenizer
 from tokenizers.normalizers import Lowercase, Sequence
 
 from embedpipe.ranges import bounds
+
+# A text longer than max_seq_len x this many characters is tokenized by its head first (``TextTokenizer._heads``):
+# English runs 4-5 characters per WordPiece token, so the head nearly always holds the tokens a sequence keeps.
+HEAD_CHARS_PER_TOKEN = 8
+# A cut changes at most the word it falls in and, for a pre-tokenizer that looks one character ahead (byte-level
+# BPE's ``\s+(?!\S)``), the word before it: the head's tokens of the words before its last two are the text's own.
+HEAD_WORDS_UNSURE = 2
 
 
 @dataclass
@@ -42,6 +51,8 @@ class TextTokenizer:
     sentence-transformers: the prompt is put before the text as a string, lower-casing is a
     ``Lowercase`` normalizer in front of the tokenizer's own (so the prompt is lower-cased too),
     and the prompt's length is that of the prompt tokenized alone, less a trailing special token.
+    A text much longer than a sequence is tokenized by its head where the head decides the sequence
+    (``_heads``): the same ids, without tokenizing what truncation drops.
     """
 
     def __init__(self, model_dir: str | Path, *, max_seq_len: int, lower_case: bool = False, prompt: str = ""):
@@ -65,6 +76,8 @@ class TextTokenizer:
         self.prefix, self.suffix = self._specials()
         self.prompt_ids = np.asarray(self._documents.encode(prompt, add_special_tokens=False).ids if prompt else [],
                                      dtype=np.int64)
+        self._kept = max_seq_len - len(self.prefix) - len(self.suffix)  # a sequence's tokens besides the specials
+        self._head_chars = max_seq_len * HEAD_CHARS_PER_TOKEN
 
     @property
     def framing(self) -> int:
@@ -109,15 +122,51 @@ class TextTokenizer:
     def __call__(self, texts: list[str]) -> Tokenized:
         if self.prompt:
             texts = [self.prompt + t for t in texts]
-        encodings = self._encode_batch(texts)
+        heads = self._heads(texts)
+        encodings = self._encode_batch([t for i, t in enumerate(texts) if i not in heads] if heads else texts)
+        if heads:  # every sequence in input order: a long text's from its head, the others' from the whole text
+            rest = iter(encodings)
+            encodings = [_Kept(heads[i]) if i in heads else next(rest) for i in range(len(texts))]
         lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
         ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64,
                           count=int(lengths.sum()))
         truncated = np.fromiter((bool(e.overflowing) for e in encodings), dtype=bool, count=len(encodings))
         return Tokenized(ids=ids, lengths=lengths, truncated=truncated)
 
+    def _heads(self, texts: list[str]) -> dict[int, list[int]]:
+        """The sequences of the long texts (over ``max_seq_len x HEAD_CHARS_PER_TOKEN`` characters) that their head
+        decides, by position in ``texts``: the specials around the text's first tokens, cut at ``max_seq_len`` as
+        the whole text's encoding would be. Truncation keeps a sequence's first tokens; tokenizing a long text whole
+        to keep them spends most of the tokenizer's time on tokens it drops. A head decides its text when the
+        tokens of its words before the last ``HEAD_WORDS_UNSURE`` are more than a sequence keeps (then the text is
+        cut, too); any other long text is tokenized whole."""
+        cut = self._head_chars
+        long = [i for i, t in enumerate(texts) if len(t) > cut] if self._kept > 0 else []
+        if not long:
+            return {}
+        encodings = self._documents.encode_batch([texts[i][:cut] for i in long], add_special_tokens=False)
+        prefix, suffix, kept = self.prefix.tolist(), self.suffix.tolist(), self._kept
+        return {i: prefix + e.ids[:kept] + suffix for i, e in zip(long, encodings) if _settled(e.word_ids) > kept}
+
 
 _EMPTY, _NO_WORDS = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A long text's sequence taken from its head (``TextTokenizer._heads``): cut, as its whole encoding would be."""
+
+    ids: list[int]
+    overflowing: bool = True
+
+
+def _settled(word_ids: list[int | None]) -> int:
+    """How many leading tokens of a text's head are the whole text's: those of the words before the head's last
+    ``HEAD_WORDS_UNSURE`` (word ids never decrease along a text; a token of no word, never seen without special
+    tokens, settles nothing)."""
+    if not word_ids or None in word_ids:
+        return 0
+    return bisect.bisect_left(word_ids, word_ids[-1] - HEAD_WORDS_UNSURE + 1)
 
 
 def _has_lowercase(normalizer) -> bool:
