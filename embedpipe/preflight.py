@@ -40,7 +40,7 @@ from embedpipe.io.duplicates import IdOccurrences, exact_keys, id_keys
 from embedpipe.io.formats import UnitReader, plan_input
 from embedpipe.io.describe import ModelRecord, OutputDescription, describe
 from embedpipe.io.quantize import Calibration, stored_type
-from embedpipe.io.rows import null_id_error
+from embedpipe.io.rows import null_id_error, valid_rows
 from embedpipe.io.store import TreePath, tree_path
 from embedpipe.report.flops import read_model_config
 from embedpipe.units import InputError, Unit
@@ -360,7 +360,7 @@ def _resolve_duplicates(units: list[Unit], *, reader: UnitReader, id_column: str
                 raise ScanStopped(f"the duplicate-id scan stopped at unit {u} of {len(units)}")
             first = first or (unit.file, ids.type)
             _check_id_type(first, unit.file, ids.type, id_column=id_column)
-            valid = ~ids.is_null().to_numpy(zero_copy_only=False)
+            valid = valid_rows(ids)  # not pyarrow's to_numpy: it imports pandas (0.2 s before Ray's start)
             if on_bad_row == "error" and not valid.all():
                 raise null_id_error(unit.file, unit.row_start + int(np.flatnonzero(~valid)[0]))
             seen.add(id_keys(ids)[valid], unit=u, rows=np.flatnonzero(valid))

@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from embedpipe.io.rows import screen_rows
+from embedpipe.io.rows import screen_rows, valid_rows
 from embedpipe.units import InputError
 
 IDS = pa.array(["a", "b", "c", "d", "e"])
@@ -47,3 +47,18 @@ def test_duplicates_are_skipped_whatever_the_policy():
     out = _screen(pa.array(["x", "y", None]), "embed_empty", drop=[1])
     assert out.ids.to_pylist() == ["a", "c"] and out.texts == ["x", ""]
     assert out.skipped.to_pylist() == [{"id": "b", "reason": "duplicate_id"}]
+
+
+def test_valid_rows_is_pyarrows_mask_at_every_offset():
+    """``valid_rows``: the rows holding a value, its own bits unpacked (not pyarrow's to_numpy, which imports
+    pandas), for slices at every offset and length of arrays with nulls, chunked ones, all-null and empty ones."""
+    rng = np.random.default_rng(0)
+    values = pa.array([None if rng.random() < 0.3 else i for i in range(70)], pa.int64())
+    for offset in range(0, 20):
+        for length in (0, 1, 7, 8, 9, 17, 70 - offset):
+            part = values.slice(offset, length)
+            assert valid_rows(part).tolist() == [v is not None for v in part.to_pylist()], (offset, length)
+    chunked = pa.chunked_array([values.slice(3, 10), values.slice(40, 9)])
+    assert valid_rows(chunked).tolist() == [v is not None for v in chunked.to_pylist()]
+    assert valid_rows(pa.array([None, None], pa.string())).tolist() == [False, False]
+    assert valid_rows(pa.array(["a", "b"])).dtype == bool and valid_rows(pa.array([], pa.int64())).tolist() == []
