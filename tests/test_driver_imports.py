@@ -138,3 +138,38 @@ def test_a_run_never_imports_torch_on_the_driver(tmp_path, quickstart_table):
     """)
     assert out.strip().splitlines()[-2].split() == ["16", "1", "pandas", "imports:", "0", "[]"]
     assert len(pq.read_table(tmp_path / "out" / "vectors").column("embedding")) == 16
+
+
+def test_a_workers_units_never_import_pandas(tmp_path, quickstart_table):
+    """An embedding worker's units (read, screen, tokenize, encode, write the part, record it), in a fresh
+    interpreter: pyarrow imports pandas for its own conversions (``to_numpy``, ``pa.array``, ``pa.table``), about
+    0.2 s of CPU per worker, at its first unit's read, inside the run's start-up; nothing in a unit needs it."""
+    pq.write_table(quickstart_table.slice(0, 200), tmp_path / "in.parquet", row_group_size=100)
+    job = {"input": {"path": str(tmp_path / "in.parquet"), "text_column": "text", "id_column": "id"},
+           "model": {"path": "sentence-transformers/all-MiniLM-L6-v2", "dtype": "float32"},
+           "output": {"path": str(tmp_path / "out")}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    (tmp_path / "out").mkdir()
+    code = textwrap.dedent(f"""
+        import sys
+        PANDAS = []
+        class CountPandas:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "pandas":
+                    PANDAS.append(name)
+        sys.meta_path.insert(0, CountPandas())
+        from embedpipe.cluster.worker import EmbedWorker, WorkerSetup
+        from embedpipe.config import load_job
+        from embedpipe.units import Unit
+        worker = EmbedWorker(load_job({str(tmp_path / "job.yaml")!r}), model=None, index=0, threads=1)
+        worker.configure(WorkerSetup(output_path={str(tmp_path / "out")!r}))
+        units = [Unit(id=f"00000-{{g:05d}}", file={str(tmp_path / "in.parquet")!r}, row_groups=(g,), num_rows=100)
+                 for g in (0, 1)]
+        worker.process(units[0], ahead=units[1])
+        worker.process(units[1])
+        print("pandas imports:", len(PANDAS), PANDAS[:3])
+    """)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "pandas imports: 0 []", done.stdout[-2000:]
+    assert pq.read_table(tmp_path / "out" / "vectors").num_rows == 200

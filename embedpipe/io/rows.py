@@ -101,6 +101,9 @@ def screen_rows(ids: pa.Array, column: pa.Array, *, policy: str, drop: np.ndarra
     else:  # skip (or error with nothing bad)
         skip = bad
     keep = ~skip
+    if not skip.any():  # the usual unit: nothing built through pa.array or pa.table (both import pandas)
+        return ScreenedRows(ids=ids, texts=texts, skipped=pa.Table.from_batches([], schema=skipped_schema(ids.type)),
+                            bad=counts)
     keep_index = pa.array(np.flatnonzero(keep))
     skipped = pa.table({"id": ids.take(pa.array(np.flatnonzero(skip))),
                         "reason": pa.array(reasons[skip].astype(str).tolist(), pa.string())},
@@ -133,10 +136,18 @@ def _decode(column: pa.Array) -> tuple[list, np.ndarray]:
         return [None] * n, reasons
     ok = np.array([t is not None for t in texts], dtype=bool)
     if ok.any():
-        stripped = pc.utf8_length(pc.utf8_trim_whitespace(pa.array(texts, pa.string()))).to_numpy(zero_copy_only=False)
-        empty = ok & (np.nan_to_num(stripped.astype(float), nan=1.0) == 0)
-        reasons[empty] = "empty"
+        text_column = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+        decoded = column if text_column else pa.array(texts, pa.string())  # binary: the rows decoded
+        stripped = pc.utf8_length(pc.utf8_trim_whitespace(decoded))  # [N] int32 or int64; null where no text
+        reasons[ok & (_numbers(stripped) == 0)] = "empty"
     return texts, reasons
+
+
+def _numbers(values: pa.Array) -> np.ndarray:
+    """[N] the integers of an int32 or int64 array, read from its data buffer (a null row's slot holds any value:
+    the caller masks it); pyarrow's to_numpy would import pandas."""
+    dtype = {pa.int32(): np.int32, pa.int64(): np.int64}[values.type]
+    return np.frombuffer(values.buffers()[1], dtype=dtype, count=values.offset + len(values))[values.offset:]
 
 
 def _plain(column: pa.Array) -> pa.Array:
