@@ -25,6 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from embedpipe.io.fs import arrow_filesystem
+from embedpipe.io.rows import valid_rows
 from embedpipe.ranges import bounds
 
 HASH_BYTES = 16
@@ -147,7 +148,7 @@ def _same_hash(ids: pa.Array, hashes: pa.Array, table: pa.Table) -> tuple[np.nda
     null where absent), present mask [N]). A chunked part's rows of one document all carry its hash: the first
     one answers for the document."""
     at = pc.index_in(ids, value_set=table["id"])  # [N] row of each id in table, null where absent
-    present = at.is_valid().to_numpy(zero_copy_only=False)
+    present = valid_rows(at)
     reuse = np.zeros(len(ids), dtype=bool)
     same = pc.equal(table["content_hash"].take(pc.drop_null(at)), pc.filter(hashes, at.is_valid()))
     reuse[np.flatnonzero(present)] = same.to_numpy(zero_copy_only=False)

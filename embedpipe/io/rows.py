@@ -100,10 +100,10 @@ def screen_rows(ids: pa.Array, column: pa.Array, *, policy: str, drop: np.ndarra
         skip = drop | null_id  # a row without an id gets no vector
     else:  # skip (or error with nothing bad)
         skip = bad
-    keep = ~skip
     if not skip.any():  # the usual unit: nothing built through pa.array or pa.table (both import pandas)
         return ScreenedRows(ids=ids, texts=texts, skipped=pa.Table.from_batches([], schema=skipped_schema(ids.type)),
                             bad=counts)
+    keep = ~skip
     keep_index = pa.array(np.flatnonzero(keep))
     skipped = pa.table({"id": ids.take(pa.array(np.flatnonzero(skip))),
                         "reason": pa.array(reasons[skip].astype(str).tolist(), pa.string())},
@@ -121,7 +121,8 @@ def _decode(column: pa.Array) -> tuple[list, np.ndarray]:
     reasons = np.full(n, None, dtype=object)
     nulls = ~valid_rows(column)
     reasons[nulls] = "null"
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+    text_column = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+    if text_column:
         texts = column.to_pylist()
     elif pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
         texts = []
@@ -136,7 +137,6 @@ def _decode(column: pa.Array) -> tuple[list, np.ndarray]:
         return [None] * n, reasons
     ok = np.array([t is not None for t in texts], dtype=bool)
     if ok.any():
-        text_column = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
         decoded = column if text_column else pa.array(texts, pa.string())  # binary: the rows decoded
         stripped = pc.utf8_length(pc.utf8_trim_whitespace(decoded))  # [N] int32 or int64; null where no text
         reasons[ok & (_numbers(stripped) == 0)] = "empty"
