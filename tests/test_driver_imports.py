@@ -34,6 +34,16 @@ NO_TORCH = textwrap.dedent("""
     sys.meta_path.insert(0, NoTorch())
     atexit.register(lambda: print("torch imports:", len(ATTEMPTS), ATTEMPTS[:3]))
 """)
+# every import of pandas asked for in the interpreter, counted (allowed): pyarrow imports it for its own conversions
+COUNT_PANDAS = textwrap.dedent("""
+    import sys
+    PANDAS = []
+    class CountPandas:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "pandas":
+                PANDAS.append(name)
+    sys.meta_path.insert(0, CountPandas())
+""")
 TINY = {"vocab_size": 100, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
         "intermediate_size": 32}
 CONFIGS = {  # model_type -> (config.json, the pooling a directory without a Pooling module gets)
@@ -123,19 +133,12 @@ def test_a_run_never_imports_torch_on_the_driver(tmp_path, quickstart_table):
            "model": {"path": "sentence-transformers/all-MiniLM-L6-v2"},
            "output": {"path": str(tmp_path / "out")}, "cluster": {"workers": 1}}
     (tmp_path / "job.yaml").write_text(json.dumps(job))
-    out = _run(f"""
-        import sys
-        PANDAS = []  # every import of pandas asked for on the driver (allowed: counted)
-        class CountPandas:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "pandas":
-                    PANDAS.append(name)
-        sys.meta_path.insert(0, CountPandas())
+    out = _run(COUNT_PANDAS + textwrap.dedent(f"""
         from embedpipe.cluster.driver import run_job
         from embedpipe.config import load_job
         result = run_job(load_job({str(tmp_path / "job.yaml")!r}), progress=False)
         print(result.report["rows"], result.report["workers"], "pandas imports:", len(PANDAS), PANDAS[:3])
-    """)
+    """))
     assert out.strip().splitlines()[-2].split() == ["16", "1", "pandas", "imports:", "0", "[]"]
     assert len(pq.read_table(tmp_path / "out" / "vectors").column("embedding")) == 16
 
@@ -150,14 +153,7 @@ def test_a_workers_units_never_import_pandas(tmp_path, quickstart_table):
            "output": {"path": str(tmp_path / "out")}}
     (tmp_path / "job.yaml").write_text(json.dumps(job))
     (tmp_path / "out").mkdir()
-    code = textwrap.dedent(f"""
-        import sys
-        PANDAS = []
-        class CountPandas:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "pandas":
-                    PANDAS.append(name)
-        sys.meta_path.insert(0, CountPandas())
+    code = COUNT_PANDAS + textwrap.dedent(f"""
         from embedpipe.cluster.worker import EmbedWorker, WorkerSetup
         from embedpipe.config import load_job
         from embedpipe.units import Unit
