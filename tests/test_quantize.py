@@ -13,7 +13,7 @@ import pytest
 from embedpipe.io.quantize import METADATA_KEY, OUTPUT_TYPES, RECORD, Calibration, fit_calibration, quantize
 from embedpipe.cluster.calibrate import prepare_quantization, sample_texts
 from embedpipe.config import InputConfig
-from embedpipe.io.writer import ParquetPartWriter
+from embedpipe.io.writer import ParquetPartWriter, vector_column
 from embedpipe.units import plan_units
 from tests.conftest import QUICKSTART, split_corpus
 
@@ -77,6 +77,18 @@ def test_part_column_types_and_metadata(tmp_path, dtype, arrow, width):
         if calibration is not None:
             assert Calibration(**record["calibration"]) == calibration
             assert record["calibration"]["seed"] == 3 and record["calibration"]["input_rows"] == 99
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "uint8"])
+def test_vector_column_is_what_pa_array_builds(dtype):
+    """io/writer.vector_column, the one builder of a vector column (parts, the in-process API's tables): the same
+    type and values as through pa.array, for contiguous, strided and empty input."""
+    values = (_vectors(7, 12, 5) * 100).astype(dtype)  # [7, 12]
+    for case in (values, values[::2], values[:, ::-1], values.T, values[:0]):
+        got = vector_column(case)
+        want = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(case).reshape(-1)), case.shape[1])
+        assert got.type == want.type == pa.list_(pa.from_numpy_dtype(np.dtype(dtype)), case.shape[1])
+        assert got.equals(want) and len(got) == case.shape[0]
 
 
 def test_stored_rows_are_written_as_they_are(tmp_path):

@@ -21,7 +21,7 @@ import pyarrow as pa
 from embedpipe.api.options import job_for_options
 from embedpipe.io.quantize import Calibration
 from embedpipe.io.rows import screen_rows
-from embedpipe.io.writer import document_means
+from embedpipe.io.writer import document_means, vector_column
 from embedpipe.text.chunking import Chunks, concat_chunks
 from embedpipe.units import InputError
 
@@ -113,9 +113,8 @@ class ChunkVectors:
 
     def to_arrow(self, *, column: str = "embedding") -> pa.Table:
         """The chunks as a table: row, chunk, start, end and the vectors (a fixed-size list column)."""
-        flat = pa.array(self.vectors.reshape(-1))
         return pa.table({"row": self.row, "chunk": self.chunk, "start": self.start, "end": self.end,
-                         column: pa.FixedSizeListArray.from_arrays(flat, self.vectors.shape[1])})
+                         column: vector_column(self.vectors)})
 
 
 def _quantize(vectors: np.ndarray, output, calibration) -> np.ndarray:
@@ -270,7 +269,7 @@ def _with_column(inputs: Any, name: str, vectors: np.ndarray) -> Any:
         raise TypeError("embed(): add_column needs a table input (DataFrame, pyarrow.Table, datasets.Dataset)")
     if kind == "pandas":
         return inputs.assign(**{name: list(vectors)})
-    column = pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), vectors.shape[1])
+    column = vector_column(vectors)
     if kind == "datasets":
         return inputs.add_column(name, column)
     table = inputs if isinstance(inputs, pa.Table) else pa.Table.from_batches([inputs])

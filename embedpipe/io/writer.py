@@ -14,6 +14,15 @@ from embedpipe.io.store import TreePath, Written, attempt_token
 from embedpipe.io.quantize import METADATA_KEY, Calibration, quantization_record, quantize, stored_type
 
 
+def vector_column(values: np.ndarray) -> pa.FixedSizeListArray:
+    """[N, W] numbers (float32, float16, int8, uint8) as a fixed-size list column of W, its Arrow type the values'
+    own, over their buffer (copied only when not contiguous): not through pa.array, which imports pandas (0.2 s of a
+    process's CPU)."""
+    flat = np.ascontiguousarray(values).reshape(-1)  # [N * W]
+    array = pa.Array.from_buffers(pa.from_numpy_dtype(flat.dtype), len(flat), [None, pa.py_buffer(flat)])
+    return pa.FixedSizeListArray.from_arrays(array, values.shape[1])
+
+
 def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
                   calibration: Calibration | None = None, stored: bool = False, dim: int | None = None) -> pa.Table:
     """``id`` (type kept) and ``embedding``: a fixed-size list of ``dtype``'s stored type
@@ -28,12 +37,8 @@ def vectors_table(ids: pa.Array, vectors: np.ndarray, *, dtype: str = "float32",
     else:
         dim = vectors.shape[1]
         vectors = quantize(vectors, dtype=dtype, calibration=calibration)  # [N, W]
-    arrow = stored_type(dtype).arrow
-    values = np.ascontiguousarray(vectors, dtype=arrow.to_pandas_dtype()).reshape(-1)  # [N * W]
-    # the array over the values' own buffer: pa.array and pa.table import pandas (0.2 s of a worker's CPU)
-    flat = pa.Array.from_buffers(arrow, len(values), [None, pa.py_buffer(values)])
-    table = pa.Table.from_arrays([ids, pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1])],
-                                 names=["id", "embedding"])
+    values = np.ascontiguousarray(vectors, dtype=stored_type(dtype).arrow.to_pandas_dtype())  # [N, W]
+    table = pa.Table.from_arrays([ids, vector_column(values)], names=["id", "embedding"])  # not pa.table: see there
     if not stored_type(dtype).quantized:
         return table
     record = quantization_record(dtype=dtype, dim=dim, calibration=calibration)
