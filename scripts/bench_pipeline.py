@@ -11,6 +11,7 @@ compare in the same minutes; the runs of every tree interleave.
 
     .venv/bin/python scripts/bench_pipeline.py                        # 5,000 rows, 1x2 and 2x1
     .venv/bin/python scripts/bench_pipeline.py --tree before=/tmp/old --quickstart
+    .venv/bin/python scripts/bench_pipeline.py --dtype bfloat16       # the CLI and its engine in bf16 (AMX CPUs)
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_sample_arguments(p, rows=5000)
     p.add_argument("--unit-rows", type=int, default=500, help="input.unit_rows of the sample's job")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model.dtype of the sample's jobs and of the engine they are compared with")
     p.add_argument("--layouts", default="1x2,2x1", help="workers x cpus_per_worker, comma-separated")
     p.add_argument("--repeats", type=int, default=2, help="runs per (tree, layout); each keeps its best")
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH: another checkout to run the CLI from")
@@ -53,11 +56,11 @@ def sample(args: argparse.Namespace, folder: Path) -> tuple[Path, list[str]]:
     return path, texts
 
 
-def write_job(folder: Path, name: str, *, data: Path, unit_rows: int, workers: int, cpus: int) -> Path:
+def write_job(folder: Path, name: str, *, data: Path, unit_rows: int, workers: int, cpus: int, dtype: str) -> Path:
     import yaml
 
     job = {"name": name, "input": {"path": str(data), "text_column": "text", "id_column": "id", "unit_rows": unit_rows},
-           "model": {"path": MODEL, "dtype": "float32"}, "output": {"path": str(folder / f"out_{name}")},
+           "model": {"path": MODEL, "dtype": dtype}, "output": {"path": str(folder / f"out_{name}")},
            "cluster": {"workers": workers, "cpus_per_worker": cpus}}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
@@ -100,15 +103,16 @@ def main() -> int:
         data, texts = sample(args, folder)
         # the engine on the same cores as a layout: one process with workers x cpus_per_worker threads
         engine: dict[int, float] = {}
-        jobs = {f"{w}x{c}": (write_job(folder, f"s{w}x{c}", data=data, unit_rows=args.unit_rows, workers=w, cpus=c),
+        jobs = {f"{w}x{c}": (write_job(folder, f"s{w}x{c}", data=data, unit_rows=args.unit_rows, workers=w, cpus=c,
+                                       dtype=args.dtype),
                              w * c) for w, c in layouts}
         if args.quickstart:
             jobs["quickstart"] = (QUICKSTART, None)
         best: dict[tuple[str, str], dict] = {}
         for rep in range(args.repeats):  # the engine measured again each pass, between the CLI runs
             for t in sorted({w * c for w, c in layouts}):
-                engine[t] = max(engine.get(t, 0.0), engine_passes(texts, dtype="float32", threads=t, repeats=1)[0])
-            print(f"  pass {rep + 1}: engine (in process, float32): "
+                engine[t] = max(engine.get(t, 0.0), engine_passes(texts, dtype=args.dtype, threads=t, repeats=1)[0])
+            print(f"  pass {rep + 1}: engine (in process, {args.dtype}): "
                   + ", ".join(f"{t} threads {v:,.0f} tokens/s (best so far)" for t, v in engine.items()),
                   file=sys.stderr, flush=True)
             for layout, (job, _) in jobs.items():
@@ -123,7 +127,7 @@ def main() -> int:
                     key = (name, layout)
                     if key not in best or r["wall_s"] < best[key]["wall_s"]:
                         best[key] = r
-    print(f"\n{len(texts):,} rows of {args.corpus.name} (seed {args.seed}), unit_rows {args.unit_rows}; "
+    print(f"\n{len(texts):,} rows of {args.corpus.name} (seed {args.seed}), unit_rows {args.unit_rows}, {args.dtype}; "
           f"best of {args.repeats}; load average at start {load:.2f}; CPU: {cpu_description()}\n")
     print("| tree | layout | wall | start-up | units | tokens/s (start-up subtracted) | × engine, same cores | scaling efficiency |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
