@@ -330,7 +330,9 @@ class RuntimeConfig:
                             "(torch.set_float32_matmul_precision('high'), for the worker process); false leaves "
                             "torch's setting as it is (full float32 by default).")
     warmup_check: bool = opt(True, "Before real work, run sample texts through the fast path and an eager float32 "
-                                   "copy; fail the worker if any cosine differs by more than 0.1%.")
+                                   "copy; fail the worker if any cosine differs by more than 0.1%. The copy's "
+                                   "vectors are kept in the embedpipe cache (warmup/), so later starts on the "
+                                   "machine run only the fast path.")
 
     def validate(self) -> None:
         if self.max_graphs < 0:

@@ -123,3 +123,76 @@ def test_encoder_fails_on_a_broken_fast_path(tiny_with_tokenizer, monkeypatch):
     monkeypatch.setattr(encoder_module, "build_runner", broken_runner)
     with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
         Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
+
+
+def test_the_reference_is_kept_and_believed_only_where_the_fast_path_agrees(tiny_with_tokenizer, monkeypatch,
+                                                                             tmp_path):
+    """runtime/reference.py: a bf16 encoder's second start compares with the kept float32 vectors instead of loading
+    the float32 copy again; a kept file the fast path disagrees with is computed again (and replaced), never
+    believed; a broken fast path still fails against a kept reference."""
+    import embedpipe.models
+    from embedpipe.runtime import encoder as encoder_module
+
+    monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
+    real_load, loads = embedpipe.models.load_model, []
+
+    def counted(*args, **kwargs):  # the real load, counted: the reference's copy is the only float32 one here
+        loads.append(kwargs.get("dtype"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(embedpipe.models, "load_model", counted)
+    first = Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
+    kept = list((tmp_path / "warmup").glob("*.npy"))
+    assert first.warmup.ok and loads == [torch.float32] and len(kept) == 1
+    right = np.load(kept[0])
+    assert right.shape == (48, first.dim) and right.dtype == np.float32
+
+    second = Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
+    assert second.warmup.ok and loads == [torch.float32]  # compared with the kept vectors: no float32 copy loaded
+    assert second.warmup.min_cosine == first.warmup.min_cosine
+
+    np.save(kept[0], -right)  # a damaged (or stale) kept reference
+    third = Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
+    assert third.warmup.ok and loads == [torch.float32] * 2  # computed again, not believed
+    np.testing.assert_array_equal(np.load(kept[0]), right)  # and replaced by the right vectors
+
+    real_runner = encoder_module.build_runner
+
+    def broken_runner(*args, **kwargs):
+        runner = real_runner(*args, **kwargs)
+
+        class Broken:
+            name = "broken"
+
+            def submit(self, batch):
+                out = runner.submit(batch).get()
+                out[0] = -out[0]
+                return LazyResult.ready(out, computed_tokens=batch.num_tokens)
+
+        return Broken()
+
+    monkeypatch.setattr(encoder_module, "build_runner", broken_runner)
+    with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
+        Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
+    assert loads == [torch.float32] * 3  # checked against a fresh reference before failing the worker
+    np.testing.assert_array_equal(np.load(kept[0]), right)
+
+
+def test_the_reference_key_follows_the_model_files_tokens_head_and_device(tiny_with_tokenizer, tmp_path):
+    from embedpipe.runtime.reference import reference_key
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_with_tokenizer, model)
+    encoder = Encoder.from_options(str(model), warmup_check=False)
+    batches = encoder.packer(encoder.tokenizer(sample_texts()))
+    fewer = encoder.packer(encoder.tokenizer(sample_texts()[:47]))
+    key = dict(model_dir=model, batches=batches, head="mean|True|None|0", device="cpu")
+    base = reference_key(**key)
+    assert reference_key(**key) == base
+    assert reference_key(**{**key, "batches": fewer}) != base
+    assert reference_key(**{**key, "head": "cls|True|None|0"}) != base
+    assert reference_key(**{**key, "device": "cuda:1"}) != base
+    assert reference_key(**{**key, "device": "cpu"}) == base
+    config = model / "config.json"
+    config.write_text(config.read_text() + "\n")  # a model file changed in place: its size and time
+    assert reference_key(**key) != base

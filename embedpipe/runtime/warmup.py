@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from embedpipe.errors import RunError
+from embedpipe.runtime.reference import keep_reference, load_reference, reference_key
 from embedpipe.runtime.runners import EagerRunner, Runner
 from embedpipe.text.packer import Batch
 
@@ -100,6 +101,11 @@ def check(*, fast: Runner, reference: Runner, batches: list[Batch], rows: int, t
           what: str = "fast path") -> ParityReport:
     """Run both, compare, raise WarmupDivergence with the numbers and the ways out."""
     report = compare(run_batches(fast, batches, rows), run_batches(reference, batches, rows), tolerance=tolerance)
+    return judged(report, tolerance=tolerance, what=what)
+
+
+def judged(report: ParityReport, *, tolerance: float, what: str) -> ParityReport:
+    """``report`` when it is ok; else WarmupDivergence with its numbers and the ways out."""
     if not report.ok:
         raise WarmupDivergence(
             f"warmup guard: the {what} diverges from the eager float32 reference: min cosine "
@@ -129,22 +135,41 @@ class FullFloat32:
 
 
 def warmup_guard(encoder, *, tolerance: float = TOLERANCE) -> ParityReport | None:
-    """The check for a built Encoder; None when its runner is the float32 eager reference itself."""
-    from embedpipe.models import load_model
-
-    settings = encoder.model_config
+    """The check for a built Encoder; None when its runner is the float32 eager reference itself. The reference's
+    vectors are kept on this machine (runtime/reference.py): a later start compares with them, and computes them
+    again only where the fast path disagrees."""
     if isinstance(encoder.runner, EagerRunner) and encoder.dtype == "float32":  # the resolved dtype (model.dtype auto)
         return None
     texts = sample_texts()
     batches = encoder.packer(encoder.tokenizer(texts))
+    what = f"{encoder.runner.name} {encoder.dtype} path on {encoder.device}"
+    fast = run_batches(encoder.runner, batches, len(texts))  # [rows, D]; the first use of the sample's shapes (graphs)
+    settings, head = encoder.model_config, encoder.head
+    key = reference_key(model_dir=encoder.model_dir, batches=batches, device=encoder.device,
+                        head=f"{settings.pooling}|{settings.normalize}|{head.dim}|{head.skip_tokens}")
+    kept = load_reference(key)
+    if kept is not None and kept.shape == fast.shape:
+        report = compare(fast, kept, tolerance=tolerance)
+        if report.ok:
+            log.info("warmup guard: %s agrees with the kept float32 reference (min cosine %.6f over %d sequences)",
+                     what, report.min_cosine, report.rows)
+            return report
+    reference = _reference_vectors(encoder, batches, len(texts))  # none kept, or the fast path disagrees with it
+    keep_reference(key, reference)
+    return judged(compare(fast, reference, tolerance=tolerance), tolerance=tolerance, what=what)
+
+
+def _reference_vectors(encoder, batches: list[Batch], rows: int) -> Tensor:
+    """The sample's vectors from an eager float32 copy of the encoder's model (SDPA attention): [rows, D]."""
+    from embedpipe.models import load_model
+
+    settings = encoder.model_config
     ref = load_model(encoder.model_dir, dtype=torch.float32, device=encoder.device, attention_backend="sdpa",
                      allow_pickle=settings.allow_pickle)
     head = ref.build_head(pooling=settings.pooling, normalize=settings.normalize,
                           dim=encoder.head.dim, skip_tokens=encoder.head.skip_tokens)
     try:
-        return check(fast=encoder.runner, reference=FullFloat32(EagerRunner(ref.model, head, device=encoder.device)),
-                     batches=batches, rows=len(texts), tolerance=tolerance,
-                     what=f"{encoder.runner.name} {encoder.dtype} path on {encoder.device}")
+        return run_batches(FullFloat32(EagerRunner(ref.model, head, device=encoder.device)), batches, rows)
     finally:
         del ref, head
         if torch.device(encoder.device).type == "cuda":
