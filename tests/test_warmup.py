@@ -102,7 +102,8 @@ def test_encoder_runs_the_guard_where_the_fast_path_differs(tiny_with_tokenizer)
     assert off.warmup is None
 
 
-def test_encoder_fails_on_a_broken_fast_path(tiny_with_tokenizer, monkeypatch):
+def _break_the_fast_path(monkeypatch) -> None:
+    """Encoders built from here on run a fast path whose first row of every batch is negated."""
     from embedpipe.runtime import encoder as encoder_module
 
     real = encoder_module.build_runner
@@ -121,6 +122,10 @@ def test_encoder_fails_on_a_broken_fast_path(tiny_with_tokenizer, monkeypatch):
         return Broken()
 
     monkeypatch.setattr(encoder_module, "build_runner", broken_runner)
+
+
+def test_encoder_fails_on_a_broken_fast_path(tiny_with_tokenizer, monkeypatch):
+    _break_the_fast_path(monkeypatch)
     with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
         Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
 
@@ -131,7 +136,6 @@ def test_the_reference_is_kept_and_believed_only_where_the_fast_path_agrees(tiny
     the float32 copy again; a kept file the fast path disagrees with is computed again (and replaced), never
     believed; a broken fast path still fails against a kept reference."""
     import embedpipe.models
-    from embedpipe.runtime import encoder as encoder_module
 
     monkeypatch.setenv("EMBEDPIPE_CACHE_DIR", str(tmp_path))
     real_load, loads = embedpipe.models.load_model, []
@@ -156,22 +160,7 @@ def test_the_reference_is_kept_and_believed_only_where_the_fast_path_agrees(tiny
     assert third.warmup.ok and loads == [torch.float32] * 2  # computed again, not believed
     np.testing.assert_array_equal(np.load(kept[0]), right)  # and replaced by the right vectors
 
-    real_runner = encoder_module.build_runner
-
-    def broken_runner(*args, **kwargs):
-        runner = real_runner(*args, **kwargs)
-
-        class Broken:
-            name = "broken"
-
-            def submit(self, batch):
-                out = runner.submit(batch).get()
-                out[0] = -out[0]
-                return LazyResult.ready(out, computed_tokens=batch.num_tokens)
-
-        return Broken()
-
-    monkeypatch.setattr(encoder_module, "build_runner", broken_runner)
+    _break_the_fast_path(monkeypatch)
     with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
         Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
     assert loads == [torch.float32] * 3  # checked against a fresh reference before failing the worker
