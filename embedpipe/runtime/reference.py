@@ -67,7 +67,7 @@ def load_reference(key: str) -> Tensor | None:
     """The kept vectors of ``key`` ([rows, D] float32), or None (none kept, or unreadable)."""
     try:
         return torch.from_numpy(np.load(_path(key), allow_pickle=False))
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # none kept, or a damaged file (an empty one raises EOFError)
         return None
 
 
