@@ -160,10 +160,14 @@ def test_the_reference_is_kept_and_believed_only_where_the_fast_path_agrees(tiny
     assert third.warmup.ok and loads == [torch.float32] * 2  # computed again, not believed
     np.testing.assert_array_equal(np.load(kept[0]), right)  # and replaced by the right vectors
 
+    kept[0].write_bytes(b"")  # an empty (unreadable) kept file: computed again
+    assert Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16").warmup.ok and len(loads) == 3
+    np.testing.assert_array_equal(np.load(kept[0]), right)
+
     _break_the_fast_path(monkeypatch)
     with pytest.raises(WarmupDivergence, match="broken bfloat16 path on cpu"):
         Encoder.from_options(str(tiny_with_tokenizer), dtype="bfloat16")
-    assert loads == [torch.float32] * 3  # checked against a fresh reference before failing the worker
+    assert loads == [torch.float32] * 4  # checked against a fresh reference before failing the worker
     np.testing.assert_array_equal(np.load(kept[0]), right)
 
 
