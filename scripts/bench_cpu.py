@@ -306,7 +306,8 @@ def cli_contender(texts: list[str], args: argparse.Namespace, *, order: np.ndarr
 
     data = args.work / "cli.parquet"
     pq.write_table(pa.table({"id": [f"r{i:06d}" for i in range(len(texts))], "text": texts}), data, row_group_size=250)
-    job = bench_pipeline.write_job(args.work, "cli", data=data, unit_rows=500, workers=1, cpus=args.threads)
+    job = bench_pipeline.write_job(args.work, "cli", data=data, unit_rows=500, workers=1, cpus=args.threads,
+                                   dtype="float32")  # the row is embedpipe fp32 through the CLI
     best = None
     for rep in range(args.repeats):
         r = bench_pipeline.cli_run(job, tree=ROOT, output=args.work / "out_cli")
