@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "embedpipe"
 # Bottom first. A module takes the layer of the longest prefix listed here.
 LAYERS: list[tuple[str, ...]] = [
     ("embedpipe.config", "embedpipe.errors", "embedpipe.ranges", "embedpipe.report.counters",
-     "embedpipe.report.memory"),  # leaves: the schema, errors, ranges laid end to end, counters, a process's own peak
-    # memory
+     "embedpipe.report.memory", "embedpipe.sources"),  # leaves: the schema, errors, ranges laid end to end, counters, a
+    # process's own peak memory, the digest of embedpipe's own sources
     ("embedpipe.io.fs", "embedpipe.io.store"),  # local and fsspec file access; the output tree's store
     ("embedpipe.units",),  # work units
     ("embedpipe.io",),  # readers, writers, manifest, quantization, ownership

@@ -45,4 +45,3 @@ def test_tokenizer_truncates_and_flags(minilm_dir):
     assert out.lengths.tolist()[1] == 8 and out.truncated.tolist() == [False, True]
     assert out.ids[0] == 101 and out.ids[out.lengths[0] - 1] == 102  # [CLS] ... [SEP]
     assert out.ids[out.lengths[0] + 7] == 102  # truncation keeps [SEP]
-

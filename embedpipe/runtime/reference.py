@@ -8,8 +8,8 @@ path still runs and is compared at every start.
 
 The key covers what the reference's vectors depend on: the model's files (their folder, names, sizes, times and
 inodes: the staleness rule of the file-hash cache, io/manifest.py HashCache, without reading gigabytes of weights),
-the sample's packed tokens, the head's settings, the device kind, torch's version, and the sources of the code the
-reference runs (models, kernels, runtime). A kept file is only ever believed when the fast path agrees with it: on
+the sample's packed tokens, the head's settings, the device kind, torch's version, and embedpipe's sources (the digest
+the worker's code identity uses, embedpipe/sources.py: hashed once per process). A kept file is only ever believed when the fast path agrees with it: on
 a divergence the guard computes the reference again before it fails a worker. A cache that cannot be written or
 read is skipped (the reference is then computed at every start, as before).
 """
@@ -27,12 +27,10 @@ from torch import Tensor
 
 from embedpipe.io.cache import cache_dir
 from embedpipe.io.manifest import model_files
+from embedpipe.sources import own_sources_sha256
 from embedpipe.text.packer import Batch
 
 log = logging.getLogger(__name__)
-
-PACKAGE = Path(__file__).resolve().parents[1]  # embedpipe/
-CODE_DIRS = ("models", "kernels", "runtime")  # the code an eager float32 reference runs: its sources are in the key
 
 
 def reference_key(*, model_dir: Path, batches: list[Batch], head: str, device: str) -> str:
@@ -44,14 +42,10 @@ def reference_key(*, model_dir: Path, batches: list[Batch], head: str, device: s
             digest.update(str(part).encode() + b"\0")
 
     model_dir = Path(model_dir).resolve()
-    add(model_dir, head, torch.device(device).type, torch.__version__)
+    add(model_dir, head, torch.device(device).type, torch.__version__, own_sources_sha256())
     for path in model_files(model_dir):
         stat = path.stat()
         add(path.relative_to(model_dir).as_posix(), stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    for folder in CODE_DIRS:
-        for source in sorted((PACKAGE / folder).rglob("*.py")):
-            add(source.relative_to(PACKAGE).as_posix())
-            digest.update(source.read_bytes())
     for b in batches:
         for tensor in (b.input_ids, b.positions, b.cu_seqlens):
             digest.update(tensor.cpu().numpy().tobytes())
